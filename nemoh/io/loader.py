@@ -1,0 +1,167 @@
+"""nemoh.load: a Hugging Face NemotronH checkpoint directory -> ModelParams.
+
+Reads config.json, then each tensor on its own (HF keys backbone.layers.{i}.mixer.*), checks its
+shape and dtype against the config, converts it, and drops the host copy before the next one, so host
+memory stays near the size of the result. Experts are stacked along a leading axis. Quantised
+(ModelOpt) linears stay packed. Only JSON and safetensors are read: nothing in the checkpoint runs.
+A missing, unexpected, mis-shaped or unreadable tensor raises CheckpointError naming it and its file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
+from nemoh.errors import CheckpointError
+from nemoh.io.modelopt import QuantSpec, read_linear
+from nemoh.io.tensor_source import TensorSource
+from nemoh.layers.attention import AttentionParams
+from nemoh.layers.mamba2 import MambaParams
+from nemoh.layers.mlp import MLPParams
+from nemoh.layers.moe import MoEParams
+from nemoh.model import ModelParams
+
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+EMBEDDING_KEYS = ("backbone.embeddings.weight", "backbone.embedding.weight")
+PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar from 1 GiB of weights on
+IGNORED_PREFIXES = ("mtp.",)  # multi-token-prediction heads: not used for decoding
+
+
+class _Reader:
+    """Reads the tensors of one checkpoint in the param dtype, with the quantisation spec applied."""
+
+    def __init__(self, src: TensorSource, spec: QuantSpec | None, dtype):
+        self.src, self.spec, self.dtype = src, spec, dtype
+
+    def vector(self, name: str, shape: tuple[int, ...], dtype=None) -> jax.Array:
+        return jnp.asarray(self.src.get(name, shape=shape, dtypes=FLOAT_DTYPES), dtype or self.dtype)
+
+    def linear(self, module: str, out_dim: int, in_dim: int):
+        return read_linear(self.src, module, self.spec, (out_dim, in_dim), self.dtype)
+
+    def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
+        """One [E, out, in] weight (of any type) from E per-expert modules."""
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *[self.linear(m, out_dim, in_dim) for m in modules])
+
+
+def _mamba(r: _Reader, cfg: NemotronHConfig, pre: str) -> MambaParams:
+    H, nh, C, K = cfg.hidden_size, cfg.mamba_num_heads, cfg.conv_dim, cfg.conv_kernel
+    conv = r.vector(f"{pre}.mixer.conv1d.weight", (C, 1, K)).reshape(C, K)
+    bias_name = f"{pre}.mixer.conv1d.bias"
+    if cfg.use_conv_bias:
+        bias = r.vector(bias_name, (C,))
+    elif r.src.has(bias_name):
+        raise CheckpointError(f"tensor {bias_name} in {r.src.file_of(bias_name)}: present, but use_conv_bias is false")
+    else:
+        bias = None
+    f32 = jnp.float32
+    return MambaParams(
+        norm=r.vector(f"{pre}.norm.weight", (H,)),
+        in_proj=r.linear(f"{pre}.mixer.in_proj", cfg.in_proj_dim, H),
+        conv_weight=conv,
+        conv_bias=bias,
+        A_log=r.vector(f"{pre}.mixer.A_log", (nh,), f32),
+        D=r.vector(f"{pre}.mixer.D", (nh,), f32),
+        dt_bias=r.vector(f"{pre}.mixer.dt_bias", (nh,), f32),
+        gate_norm=r.vector(f"{pre}.mixer.norm.weight", (cfg.mamba_intermediate,)),
+        out_proj=r.linear(f"{pre}.mixer.out_proj", H, cfg.mamba_intermediate),
+    )
+
+
+def _attention(r: _Reader, cfg: NemotronHConfig, pre: str) -> AttentionParams:
+    H, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return AttentionParams(
+        norm=r.vector(f"{pre}.norm.weight", (H,)),
+        q_proj=r.linear(f"{pre}.mixer.q_proj", q, H),
+        k_proj=r.linear(f"{pre}.mixer.k_proj", kv, H),
+        v_proj=r.linear(f"{pre}.mixer.v_proj", kv, H),
+        o_proj=r.linear(f"{pre}.mixer.o_proj", H, q),
+    )
+
+
+def _mlp(r: _Reader, cfg: NemotronHConfig, pre: str) -> MLPParams:
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    return MLPParams(
+        norm=r.vector(f"{pre}.norm.weight", (H,)),
+        up_proj=r.linear(f"{pre}.mixer.up_proj", F, H),
+        down_proj=r.linear(f"{pre}.mixer.down_proj", H, F),
+    )
+
+
+def _moe(r: _Reader, cfg: NemotronHConfig, pre: str) -> MoEParams:
+    H, E, F, L = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_input_size
+    m = f"{pre}.mixer"
+    shared = cfg.n_shared_experts > 0
+    latent = cfg.moe_latent_size is not None
+    Fs = cfg.moe_shared_expert_intermediate_size
+    return MoEParams(
+        norm=r.vector(f"{pre}.norm.weight", (H,)),
+        router=r.vector(f"{m}.gate.weight", (E, H), jnp.float32),
+        router_bias=r.vector(f"{m}.gate.e_score_correction_bias", (E,), jnp.float32),
+        experts_up=r.stacked_linear([f"{m}.experts.{j}.up_proj" for j in range(E)], F, L),
+        experts_down=r.stacked_linear([f"{m}.experts.{j}.down_proj" for j in range(E)], L, F),
+        shared_up=r.linear(f"{m}.shared_experts.up_proj", Fs, H) if shared else None,
+        shared_down=r.linear(f"{m}.shared_experts.down_proj", H, Fs) if shared else None,
+        latent_in=r.linear(f"{m}.fc1_latent_proj", L, H) if latent else None,
+        latent_out=r.linear(f"{m}.fc2_latent_proj", H, L) if latent else None,
+    )
+
+
+_BUILDERS = {MAMBA: _mamba, ATTENTION: _attention, MLP: _mlp, MOE: _moe}
+
+
+def _total_bytes(src: TensorSource) -> int:
+    return sum((src.directory / f).stat().st_size for f in {src.file_of(n) for n in src.names()})
+
+
+def load(path: str | Path, dtype=jnp.bfloat16, *, progress: bool | None = None) -> ModelParams:
+    """Load a NemotronH checkpoint directory (config.json + model.safetensors or an index of shards).
+
+    dtype: the dtype of dense weights and activations (router and SSM parameters stay fp32).
+    progress: show a progress bar (default: only for checkpoints of 1 GiB and more).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    cfg = NemotronHConfig.from_json_file(path / "config.json")
+    src = TensorSource(path)
+    reader = _Reader(src, QuantSpec.from_dir(path), jnp.dtype(dtype))
+    H, V = cfg.hidden_size, cfg.vocab_size
+
+    embed_key = next((k for k in EMBEDDING_KEYS if src.has(k)), None)
+    if embed_key is None:
+        raise CheckpointError(f"tensor {EMBEDDING_KEYS[0]} (or {EMBEDDING_KEYS[1]}) is missing from {path}")
+    embed = reader.vector(embed_key, (V, H))
+
+    if progress is None:
+        progress = _total_bytes(src) >= PROGRESS_MIN_BYTES
+    kinds = list(enumerate(cfg.layer_kinds))
+    if progress:
+        from tqdm import tqdm
+
+        kinds = tqdm(kinds, desc=f"loading {path.name}", unit="layer")
+    layers = tuple(_BUILDERS[kind](reader, cfg, f"backbone.layers.{i}") for i, kind in kinds)
+
+    if cfg.tie_word_embeddings and not src.has("lm_head.weight"):
+        lm_head = None
+    else:
+        lm_head = reader.linear("lm_head", V, H)
+    params = ModelParams(
+        config=cfg,
+        embed=embed,
+        norm_f=reader.vector("backbone.norm_f.weight", (H,)),
+        lm_head=lm_head,
+        layers=layers,
+    )
+    for name in src.unconsumed():
+        if name.startswith(IGNORED_PREFIXES):
+            src.mark_used(name)
+    unexpected = src.unconsumed()
+    if unexpected:
+        shown = ", ".join(f"{n} (in {src.file_of(n)})" for n in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"unexpected tensors not used by the {cfg.pattern!r} model: {shown}{more}")
+    return params

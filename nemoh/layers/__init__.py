@@ -1,0 +1,1 @@
+"""Pure layer functions: params and inputs in, outputs (and carried state) out."""

@@ -1,0 +1,25 @@
+"""TokenContext: where the rows of a [b, T] token block sit in their sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenContext:
+    """positions [b, T] int32: absolute position of each row's token; valid_len [b] int32: real
+    (non-padding) rows, which come first; block_tables [b, P] int32 or None (no KV cache)."""
+
+    positions: jax.Array
+    valid_len: jax.Array
+    block_tables: jax.Array | None = None
+
+    @staticmethod
+    def full(batch: int, length: int) -> "TokenContext":
+        """A fresh, unpadded block: rows at positions 0..length-1, no cache."""
+        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        return TokenContext(positions=pos, valid_len=jnp.full((batch,), length, jnp.int32))

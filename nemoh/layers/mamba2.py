@@ -1,0 +1,114 @@
+"""Mamba2 mixer: in_proj -> causal depthwise conv + SiLU -> SSM -> gated grouped RMSNorm -> out_proj.
+
+One function serves the full-sequence forward, chunked prefill and one-token decode: the caller passes
+the carried state (conv window + fp32 SSM state) or None for a fresh sequence, and `valid_len` when
+rows are right-padded. Padding tokens never touch the state: their dt is zeroed (a no-op step) and the
+conv window is taken from the last real rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from nemoh.config import NemotronHConfig
+from nemoh.layers.norms import gated_rms_norm
+from nemoh.layers.ssd import ssd_chunked, ssd_step
+from nemoh.quant import Weight, linear
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MambaParams:
+    """norm [H]; in_proj [2I+2GN+nh, H]; conv_weight [conv_dim, K]; conv_bias [conv_dim] or None;
+    A_log, D, dt_bias [nh] fp32; gate_norm [I]; out_proj [H, I]."""
+
+    norm: jax.Array
+    in_proj: Weight
+    conv_weight: jax.Array
+    conv_bias: jax.Array | None
+    A_log: jax.Array
+    D: jax.Array
+    dt_bias: jax.Array
+    gate_norm: jax.Array
+    out_proj: Weight
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MambaState:
+    """Per sequence slot: conv [b, K-1, conv_dim] (last K-1 raw xBC rows, model dtype);
+    ssm [b, nh, hd, N] fp32."""
+
+    conv: jax.Array
+    ssm: jax.Array
+
+    @staticmethod
+    def zeros(cfg: NemotronHConfig, batch: int, dtype) -> "MambaState":
+        return MambaState(
+            conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
+            ssm=jnp.zeros((batch, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size), jnp.float32),
+        )
+
+
+def causal_conv(xbc: jax.Array, window: jax.Array, weight: jax.Array, bias: jax.Array | None,
+                valid_len: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv over time, then SiLU.
+
+    xbc [b, T, C] raw rows; window [b, K-1, C] the rows before them (zeros at sequence start);
+    weight [C, K] (tap K-1 multiplies the current row); valid_len [b] real rows per batch row.
+    Returns (activated [b, T, C] fp32, new window [b, K-1, C]: the last K-1 raw rows up to valid_len).
+    """
+    K = weight.shape[1]
+    T = xbc.shape[1]
+    full = jnp.concatenate([window.astype(xbc.dtype), xbc], axis=1)  # [b, K-1+T, C]
+    fullf = full.astype(jnp.float32)
+    w = weight.astype(jnp.float32)
+    out = sum(fullf[:, k : k + T] * w[:, k] for k in range(K))
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    idx = valid_len[:, None] + jnp.arange(K - 1)[None, :]  # window rows valid_len .. valid_len+K-2
+    new_window = jnp.take_along_axis(full, idx[:, :, None], axis=1)
+    return jax.nn.silu(out), new_window
+
+
+def mamba2_mixer(p: MambaParams, h: jax.Array, cfg: NemotronHConfig, state: MambaState | None,
+                 valid_len: jax.Array | None) -> tuple[jax.Array, MambaState]:
+    """h [b, T, H] (normed input) -> (out [b, T, H], state after the last valid row).
+
+    state None starts from zeros; valid_len [b] (None: all T rows are real).
+    """
+    b, T, _ = h.shape
+    nh, hd, G, N, I = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.mamba_intermediate
+    if state is None:
+        state = MambaState.zeros(cfg, b, h.dtype)
+    if valid_len is None:
+        valid_len = jnp.full((b,), T, jnp.int32)
+
+    zxbcdt = linear(h, p.in_proj)
+    z, xbc, dt_raw = jnp.split(zxbcdt, [I, I + cfg.conv_dim], axis=-1)
+    xbc_act, new_window = causal_conv(xbc, state.conv, p.conv_weight, p.conv_bias, valid_len)
+    x, B, C = jnp.split(xbc_act, [I, I + G * N], axis=-1)
+
+    dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
+    lo, hi = cfg.time_step_limit
+    if (lo, hi) != (0.0, float("inf")):
+        dt = jnp.clip(dt, lo, hi)
+    real = jnp.arange(T)[None, :] < valid_len[:, None]
+    dt = jnp.where(real[..., None], dt, 0.0)
+    A = -jnp.exp(p.A_log.astype(jnp.float32))
+    D = p.D.astype(jnp.float32)
+
+    x = jnp.where(real[..., None], x, 0.0).reshape(b, T, nh, hd)  # padding rows carry nothing, not even NaN
+    B = B.reshape(b, T, G, N)
+    C = C.reshape(b, T, G, N)
+    if T == 1:
+        y, ssm = ssd_step(state.ssm, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+        y = y[:, None]
+    else:
+        y, ssm = ssd_chunked(x, dt, A, B, C, D, cfg.chunk_size, state.ssm)
+    u = gated_rms_norm(y.reshape(b, T, I), z, p.gate_norm, G, cfg.layer_norm_epsilon)
+    out = linear(u.astype(h.dtype), p.out_proj)
+    return out, MambaState(conv=new_window.astype(state.conv.dtype), ssm=ssm)

@@ -1,0 +1,35 @@
+"""Dense relu^2 MLP: down(relu(up x)^2). Also the shape of every MoE expert and the shared expert."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from nemoh.quant import Weight, linear
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLPParams:
+    """norm [H]; up_proj [F, H]; down_proj [H, F]."""
+
+    norm: jax.Array
+    up_proj: Weight
+    down_proj: Weight
+
+
+def relu2(h: jax.Array) -> jax.Array:
+    """relu(h)^2 computed in fp32, returned in h.dtype."""
+    r = jax.nn.relu(h.astype(jnp.float32))
+    return (r * r).astype(h.dtype)
+
+
+def relu2_mlp(up: Weight, down: Weight, x: jax.Array) -> jax.Array:
+    """x [..., H] -> [..., H]."""
+    return linear(relu2(linear(x, up)), down)
+
+
+def mlp_mixer(p: MLPParams, h: jax.Array) -> jax.Array:
+    return relu2_mlp(p.up_proj, p.down_proj, h)

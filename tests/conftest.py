@@ -1,0 +1,17 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oracle_configs import build_all
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of each tests/oracle_configs.CONFIGS checkpoint (float32, made by HF
+    transformers once per session). Raises OracleUnavailable (an error, never a skip) when the
+    oracle environment is missing."""
+    return build_all(tmp_path_factory.mktemp("oracle_checkpoints"))
