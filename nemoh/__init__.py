@@ -4,9 +4,11 @@ from nemoh.config import NemotronHConfig
 from nemoh.errors import (CacheCapacityError, CheckpointError, ConfigError, NemohError, RequestError,
                           StaleCarryError)
 from nemoh.io.loader import load
+from nemoh.engine.kv_pages import CacheSpec
+from nemoh.generate import generate
 from nemoh.model import ModelParams, forward, register_mixer
 
 __all__ = [
-    "NemotronHConfig", "ModelParams", "load", "forward", "register_mixer",
+    "NemotronHConfig", "ModelParams", "CacheSpec", "load", "forward", "generate", "register_mixer",
     "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "StaleCarryError",
 ]

@@ -1,0 +1,1 @@
+"""The decode engine: the explicit carry, KV page allocation, prefill, the jitted decode step."""
