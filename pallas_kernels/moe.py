@@ -1,0 +1,76 @@
+"""moe_experts: the routed-experts computation of a NemotronH MoE layer, reading only selected experts.
+
+Token-expert pairs are grouped by expert into blocks of `tm` rows (XLA, tiny; a single token gets one
+block per expert without the sort); each kernel CTA indexes
+its block's expert from the block->expert table, so only the selected experts' weight tiles are ever
+fetched (no gather of all experts, no dense pass over E as jax.lax.ragged_dot does). Two kernel
+launches (up, down) with relu^2 and the weighted combine in XLA between and after.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import reference
+from pallas_kernels._backend import resolve_impl
+from pallas_kernels._blocked import Tiling, blocked_linear
+from nemoh.quant.types import Weight
+
+MOE_BLOCK_ROWS = 8
+
+
+def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS):
+    """Group the T*k (token, expert) pairs by expert into blocks of tm slots.
+
+    Returns (slot_pair int32 [B*tm]: pair index t*k+j in each slot, T*k for an empty slot;
+    block_expert int32 [B]: expert of each block, -1 for unused blocks). B is a static bound.
+    """
+    pairs = expert_idx.size
+    e = expert_idx.reshape(pairs).astype(jnp.int32)
+    order = jnp.argsort(e, stable=True).astype(jnp.int32)
+    e_sorted = e[order]
+    counts = jnp.zeros((num_experts,), jnp.int32).at[e].add(1)
+    blocks = -(-counts // tm)
+    block_end = jnp.cumsum(blocks)
+    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_sorted]
+    slot = (block_end - blocks)[e_sorted] * tm + rank
+    num_blocks = min(num_experts, pairs) + pairs // tm
+    slot_pair = jnp.full((num_blocks * tm,), pairs, jnp.int32).at[slot].set(order)
+    ids = jnp.arange(num_blocks, dtype=jnp.int32)
+    block_expert = jnp.searchsorted(block_end, ids, side="right").astype(jnp.int32)
+    return slot_pair, jnp.where(ids < block_end[-1], block_expert, -1)
+
+
+def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS):
+    """One block per (token, expert) pair, the pair in slot 0: no sort, for a single token (decode),
+    whose k experts are distinct anyway. Same outputs as route_blocks."""
+    pairs = expert_idx.size
+    slots = jnp.arange(pairs * tm, dtype=jnp.int32)
+    slot_pair = jnp.where(slots % tm == 0, slots // tm, pairs)
+    return slot_pair, expert_idx.reshape(pairs).astype(jnp.int32)
+
+
+def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, impl=None,
+                tiling: Tiling = Tiling()):
+    """y[t] = sum_j expert_weight[t,j] * down[e] @ relu(up[e] @ x[t])^2, e = expert_idx[t,j].
+
+    x [T, H] bf16/f32; expert_idx int32 [T, k]; expert_weight f32 [T, k]; up [E, F, H] and
+    down [E, H, F] as dense arrays, FP8Weight or NVFP4Weight (stacked along E). fp32 accumulation,
+    the hidden activation kept in f32 between the projections; y [T, H] in x.dtype.
+    """
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return reference.moe_experts(x, expert_idx, expert_weight, up, down)
+    t, k = expert_idx.shape
+    if t == 1:
+        slot_pair, block_expert = pair_blocks(expert_idx)
+    else:
+        slot_pair, block_expert = route_blocks(expert_idx, up.shape[0])
+    slot_token = slot_pair // k  # T for empty slots: the zero row appended below
+    xb = jnp.concatenate([x, jnp.zeros_like(x[:1])])[slot_token]
+    xb = xb.reshape(-1, MOE_BLOCK_ROWS, x.shape[1])
+    h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling), 0.0))
+    o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
+    w = jnp.concatenate([expert_weight.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    y = jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[slot_token].add(o * w[slot_pair][:, None])
+    return y[:t].astype(x.dtype)

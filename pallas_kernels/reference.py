@@ -1,0 +1,46 @@
+"""The "xla" implementations: plain jnp, dequantise then dot with fp32 accumulation.
+
+They are what XLA does without custom kernels (the dequantised weight is materialised), so they double
+as the baseline the kernels are timed against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from nemoh.quant.types import FP8Weight, NVFP4Weight, Weight, dequantize
+
+
+def _dot_t(x, w):
+    """x [..., K] @ w[N, K]^T in fp32 accumulation, in x.dtype (w already dequantised)."""
+    w = w.astype(x.dtype)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32, precision=precision)
+    return y.astype(x.dtype)
+
+
+def nvfp4_matmul(x, packed, block_scale, global_scale):
+    """x [..., K] @ dequant(NVFP4 W [N, K])^T -> [..., N] in x.dtype."""
+    return _dot_t(x, dequantize(NVFP4Weight(packed, block_scale, global_scale), x.dtype))
+
+
+def fp8_matmul(x, data, scale):
+    """x [..., K] @ (float(data) * scale)^T -> [..., N] in x.dtype (W8A16)."""
+    return _dot_t(x, dequantize(FP8Weight(data, scale), x.dtype))
+
+
+def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight):
+    """Routed experts: gathers each token's k experts (dequantised, f32) and contracts in f32.
+
+    x [T, H], expert_idx int32 [T, k], expert_weight f32 [T, k], up [E, F, H], down [E, H, F].
+    """
+    take = lambda w: jax.tree.map(lambda a: a[expert_idx], w)
+    hi = jax.lax.Precision.HIGHEST
+    up_sel = dequantize(take(up), jnp.float32)      # [T, k, F, H]
+    down_sel = dequantize(take(down), jnp.float32)  # [T, k, H, F]
+    h = jnp.einsum("tkfh,th->tkf", up_sel, x.astype(jnp.float32), precision=hi)
+    h = jnp.square(jnp.maximum(h, 0.0))
+    o = jnp.einsum("tkhf,tkf->tkh", down_sel, h, precision=hi)
+    y = jnp.einsum("tk,tkh->th", expert_weight.astype(jnp.float32), o, precision=hi)
+    return y.astype(x.dtype)
