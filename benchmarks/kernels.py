@@ -1,0 +1,274 @@
+"""GPU benchmark of pallas_kernels at Nemotron-3 Nano shapes: error, median time, GB/s, XLA baselines.
+
+Run on the GPU machine:  PYTHONPATH=. python3 benchmarks/kernels.py [--sweep] [--out DIR]
+Cases: NVFP4 / FP8 GEMV 2688 -> 10304 (mamba in_proj) at M=1, the same as a prefill GEMM at M=512, and
+MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688) with bf16 / FP8 / NVFP4 experts.
+
+Timing: each jitted call runs the op over R rotated weight copies (or R expert selections), so the
+weights are not L2-resident and launch gaps are those of one compiled program; reported time is the
+median over reps of wall time / R after warm-up ("op": everything the op launches), and, where CUPTI
+works, the Mosaic kernel's own device time ("kernel"). GB/s = bytes of weights the op must read / time.
+Errors are max |y - ref| / max |ref| against a float32 (HIGHEST) dequantise-then-dot reference.
+--sweep also times alternative tilings of each kernel; the table uses the fastest correct one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from nemoh.quant.types import FP8Weight, NVFP4Weight, dequantize
+from pallas_kernels import fp8_matmul, moe_experts, nvfp4_matmul, reference
+from pallas_kernels._blocked import Tiling
+
+HIDDEN, IN_PROJ, EXPERTS, TOPK, FFN = 2688, 10304, 128, 6, 1856
+IMPL = "pallas"
+CEILING_ELEMS = 1 << 30  # 2 GiB of bf16
+MAX_REL_ERR = 2e-2
+
+
+def rand_nvfp4(key, lead, n, k):
+    kp, ks, kg = jax.random.split(key, 3)
+    packed = jax.random.bits(kp, (*lead, n, k // 2), jnp.uint8)
+    block = jax.random.uniform(ks, (*lead, n, k // 16), jnp.float32, 0.05, 4.0).astype(jnp.float8_e4m3fn)
+    return NVFP4Weight(packed, block, jax.random.uniform(kg, lead, jnp.float32, 0.002, 0.02))
+
+
+def rand_fp8(key, lead, n, k):
+    kd, ks = jax.random.split(key)
+    data = jnp.clip(80.0 * jax.random.normal(kd, (*lead, n, k)), -448, 448).astype(jnp.float8_e4m3fn)
+    return FP8Weight(data, jax.random.uniform(ks, lead, jnp.float32, 0.002, 0.02))
+
+
+def rand_dense(key, lead, n, k):
+    return (0.05 * jax.random.normal(key, (*lead, n, k), jnp.float32)).astype(jnp.bfloat16)
+
+
+def nbytes(tree):
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def wall_us(fn, args, reps):
+    """Median wall time of fn(*args) in microseconds, after warm-up."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+_PRINTED_NAMES: list = []
+
+
+def kernel_us(fn, args, copies):
+    """Per-copy device time of the Mosaic kernels in fn (CUPTI), or None where CUPTI is unavailable."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+        _, timings = profiler.measure(fn, aggregate=False)(*args)
+    except Exception as exc:  # noqa: BLE001 - report and carry on with wall time only
+        print(f"  (CUPTI unavailable: {type(exc).__name__}: {str(exc)[:120]})")
+        return None, None
+    if not timings:
+        return None, None
+    mosaic = [ms for name, ms in timings if "wgemm" in name]
+    if not _PRINTED_NAMES:
+        _PRINTED_NAMES.append(True)
+        print("  kernels:", sorted({name[:80] for name, _ in timings}))
+    return 1e3 * sum(mosaic) / copies, 1e3 * sum(ms for _, ms in timings) / copies
+
+
+def max_rel(y, ref):
+    y, ref = jnp.asarray(y, jnp.float32), jnp.asarray(ref, jnp.float32)
+    if not bool(jnp.isfinite(y).all()):
+        return float("inf")
+    return float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+
+
+def rotated(op, copies):
+    """jit of (x, [w_0..w_R-1]) -> [op(x, w_i)]: one program running the op on R weight copies."""
+    return jax.jit(lambda x, ws: [op(x, w) for w in ws[:copies]])
+
+
+def hbm_ceiling_gbs():
+    x = jax.random.normal(jax.random.key(0), (CEILING_ELEMS,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.5)
+    us = wall_us(f, (x,), 10)
+    return 2 * x.size * 2 / (us * 1e-6) / 1e9
+
+
+def matmul_cases(key, sweep):
+    """(name, x, weights list, op(x, w, tiling), xla op, ref op, bytes per weight, tilings)."""
+    cases = []
+    for fmt, mk in (("nvfp4", rand_nvfp4), ("fp8", rand_fp8)):
+        copies = 8 if fmt == "nvfp4" else 5
+        ws = [mk(k, (), IN_PROJ, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, len(cases)), copies)]
+        if fmt == "nvfp4":
+            op = lambda x, w, t: nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, impl=IMPL, tiling=t)
+            xla = lambda x, w: reference.nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
+        else:
+            op = lambda x, w, t: fp8_matmul(x, w.data, w.scale, impl=IMPL, tiling=t)
+            xla = lambda x, w: reference.fp8_matmul(x, w.data, w.scale)
+        for m in (1, 512):
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
+            tk0 = 64 if fmt == "nvfp4" else 128
+            tilings = [Tiling()]
+            if sweep and m == 1:
+                tilings += [Tiling(stage_a=True), Tiling(tk=2 * tk0), Tiling(tk=2 * tk0, stage_a=True),
+                            Tiling(stages=2), Tiling(stages=4), Tiling(target_ctas=1056)]
+            elif sweep:
+                tilings += [Tiling(stage_a=True), Tiling(stages=2)]
+            cases.append((f"{fmt}_matmul M={m} {HIDDEN}->{IN_PROJ}", x, ws if m == 1 else ws[:3], op, xla,
+                          nbytes(ws[0]), tilings))
+    return cases
+
+
+def ref_matmul(x, w):
+    wf = dequantize(w, jnp.float32)
+    return jnp.einsum("mk,nk->mn", x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
+
+
+def moe_case_inputs(key, copies):
+    """x [1, H], and per copy a distinct random set of 6 experts with random weights."""
+    x = jax.random.normal(key, (1, HIDDEN), jnp.float32).astype(jnp.bfloat16)
+    sel = []
+    for i in range(copies):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        idx = jax.random.permutation(k1, EXPERTS)[:TOPK].reshape(1, TOPK).astype(jnp.int32)
+        sel.append((idx, jax.nn.softmax(jax.random.normal(k2, (1, TOPK)))))
+    return x, sel
+
+
+def run_moe(key, sweep, rows, copies=8):
+    x, sel = moe_case_inputs(key, copies)
+    ragged_up = rand_dense(jax.random.fold_in(key, 7), (EXPERTS,), HIDDEN, FFN)  # [E, K, N] layout
+    ragged_down = rand_dense(jax.random.fold_in(key, 8), (EXPERTS,), FFN, HIDDEN)
+
+    def ragged(x, s, w_up, w_down):
+        idx, _ = s
+        e = idx.reshape(-1)
+        order = jnp.argsort(e)
+        sizes = jnp.zeros((EXPERTS,), jnp.int32).at[e].add(1)
+        lhs = jnp.repeat(x, TOPK, axis=0)[order]
+        h = jnp.square(jnp.maximum(jax.lax.ragged_dot(lhs, w_up, sizes, preferred_element_type=jnp.float32), 0))
+        o = jax.lax.ragged_dot(h.astype(jnp.bfloat16), w_down, sizes, preferred_element_type=jnp.float32)
+        return jnp.zeros((TOPK, HIDDEN), jnp.float32).at[order].set(o).sum(0)
+
+    # Weights are jit arguments (never closed over: that would embed them as constants).
+    ragged_fn = jax.jit(lambda x, ss, u, d: [ragged(x, s, u, d) for s in ss])
+    ragged_us = wall_us(ragged_fn, (x, sel, ragged_up, ragged_down), 20) / copies
+    print(f"  ragged_dot bf16 over all {EXPERTS} experts: {ragged_us:.1f} us", flush=True)
+    del ragged_up, ragged_down
+    xla_fn = jax.jit(lambda x, ss, u, d: [reference.moe_experts(x, *s, u, d) for s in ss])
+    for fmt, mk in (("dense", rand_dense), ("fp8", rand_fp8), ("nvfp4", rand_nvfp4)):
+        ku, kd = jax.random.split(jax.random.fold_in(key, len(fmt)))
+        up, down = mk(ku, (EXPERTS,), FFN, HIDDEN), mk(kd, (EXPERTS,), HIDDEN, FFN)
+        floor_bytes = TOPK * (nbytes(up) + nbytes(down)) / EXPERTS
+        ref = reference.moe_experts(x, *sel[0], up, down)
+        xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
+        print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
+        tilings = [Tiling()] + ([Tiling(stage_a=True), Tiling(target_ctas=264), Tiling(target_ctas=1056)] if sweep else [])
+        best = None
+        for t in tilings:
+            fn = jax.jit(lambda x, ss, u, d, t=t: [moe_experts(x, *s, u, d, impl=IMPL, tiling=t) for s in ss])
+            args = (x, sel, up, down)
+            try:
+                err = max_rel(fn(x, sel[:1] * copies, up, down)[0], ref)
+                us = wall_us(fn, args, 20) / copies
+                k_us, all_us = kernel_us(fn, args, copies)
+            except Exception as exc:  # noqa: BLE001 - a failing variant is reported, not fatal
+                print(f"  moe {fmt} {t}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
+                continue
+            print(f"  moe {fmt} {t}: err {err:.2e} op {us:.1f} us kernel {k_us} all-kernels {all_us}", flush=True)
+            if err < MAX_REL_ERR and (best is None or us < best[1]):
+                best = (t, us, err, k_us)
+        name = f"moe_experts {fmt} T=1 top{TOPK}/{EXPERTS} {HIDDEN}->{FFN}->{HIDDEN}"
+        rows.append(row(name, best, floor_bytes, xla_us, extra=f"ragged_dot bf16 all experts {ragged_us:.1f} us"))
+        del up, down
+
+
+def row(name, best, weight_bytes, xla_us, extra=""):
+    if best is None:
+        return dict(name=name, tiling="FAILED", err=float("nan"), us=float("nan"), k_us=None,
+                    gbs=float("nan"), xla_us=xla_us, xla_gbs=weight_bytes / (xla_us * 1e3), extra=extra,
+                    bytes=weight_bytes)
+    t, us, err, k_us = best
+    return dict(name=name, tiling=str(t), err=err, us=us, k_us=k_us, gbs=weight_bytes / (us * 1e3),
+                xla_us=xla_us, xla_gbs=weight_bytes / (xla_us * 1e3), extra=extra, bytes=weight_bytes)
+
+
+def run_matmuls(key, sweep, rows):
+    for name, x, ws, op, xla, wbytes, tilings in matmul_cases(key, sweep):
+        copies = len(ws)
+        ref = ref_matmul(x, ws[0])
+        xla_us = wall_us(rotated(xla, copies), (x, ws), 20) / copies
+        print(f"  {name} xla impl: {xla_us:.1f} us", flush=True)
+        best = None
+        for t in tilings:
+            fn = rotated(lambda x, w, t=t: op(x, w, t), copies)
+            try:
+                err = max_rel(fn(x, ws)[0], ref)
+                us = wall_us(fn, (x, ws), 30) / copies
+                k_us, all_us = kernel_us(fn, (x, ws), copies)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  {name} {t}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
+                continue
+            print(f"  {name} {t}: err {err:.2e} op {us:.1f} us kernel {k_us} all-kernels {all_us}", flush=True)
+            if err < MAX_REL_ERR and (best is None or us < best[1]):
+                best = (t, us, err, k_us)
+        m = x.shape[0]
+        flops = 2 * m * IN_PROJ * HIDDEN
+        extra = f"{flops / (best[1] * 1e-6) / 1e12:.0f} TFLOP/s" if best and m > 8 else ""
+        rows.append(row(name, best, wbytes, xla_us, extra))
+
+
+def table(rows, device, ceiling):
+    lines = [f"device: {device}; HBM ceiling (2 GiB bf16 scale, read+write): {ceiling:.0f} GB/s", "",
+             "| case | max rel err | op time (us) | kernel time (us) | GB/s (op) | XLA impl (us) | XLA GB/s | notes | tiling |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        k_us = f"{r['k_us']:.1f}" if r["k_us"] else "n/a"
+        floor = r["bytes"] / (ceiling * 1e3)
+        lines.append(f"| {r['name']} | {r['err']:.1e} | {r['us']:.1f} | {k_us} | {r['gbs']:.0f} | "
+                     f"{r['xla_us']:.1f} | {r['xla_gbs']:.0f} | bytes {r['bytes'] / 1e6:.1f} MB, floor "
+                     f"{floor:.1f} us; {r['extra']} | {r['tiling']} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time alternative tilings")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.md")
+    parser.add_argument("--only", default="", help="comma list: matmul,moe")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
+    args = parser.parse_args()
+    if args.smoke:
+        global HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS
+        HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS = 128, 128, 8, 64, "interpret", 1 << 20
+    device = jax.devices()[0].device_kind
+    print("device:", device, "| jax", jax.__version__, flush=True)
+    ceiling = hbm_ceiling_gbs()
+    print(f"HBM ceiling {ceiling:.0f} GB/s", flush=True)
+    key, rows = jax.random.key(0), []
+    only = set(filter(None, args.only.split(","))) or {"matmul", "moe"}
+    if "matmul" in only:
+        run_matmuls(key, args.sweep, rows)
+    if "moe" in only:
+        run_moe(key, args.sweep, rows)
+    text = table(rows, device, ceiling)
+    print(text)
+    with open(os.path.join(args.out, "kernels.md"), "w") as f:
+        f.write(text + "\n")
+    return 0 if all(r["tiling"] != "FAILED" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

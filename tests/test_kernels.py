@@ -1,0 +1,190 @@
+"""pallas_kernels: each kernel (impl="interpret" on CPU; PALLAS_KERNELS_IMPL=pallas on a GPU) against its
+"xla" reference and against float64 numpy built from nemoh.quant.types.dequantize.
+
+Unwritten outputs cannot pass: the interpreter fills every allocated buffer with NaN
+(uninitialized_memory="nan"), so a kernel output tile that is never written surfaces as NaN, and every
+check first asserts there is none (on the GPU the same assertion catches garbage).
+
+Tolerances (norm-relative ||y - ref|| / ||ref||, and max |y - ref| / max |ref|):
+  * float64: weight decode is exact (e2m1 x e4m3 and e4m3 fit float16), products are exact in the
+    fp32 accumulator, so the error is the activations' float16 rounding (exact for bf16 inputs, 2**-12
+    rms for f32 inputs) plus the output's rounding: 2**-9 for bf16 outputs. Bounds: 1e-3 (f32 out),
+    5e-3 (bf16 out); 8e-3 where dense bf16 experts also round the MoE hidden activation to bf16.
+  * vs "xla": that path rounds the dequantised weight to x.dtype first (2**-9 more for bf16): 1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nemoh.quant.types import E2M1_VALUES, FP8Weight, NVFP4Weight, dequantize
+from pallas_kernels import fp8_matmul, moe_experts, nvfp4_matmul
+from pallas_kernels._dequant import e2m1_pair_to_f16, fp8_to_f16
+from pallas_kernels.moe import route_blocks
+
+IMPL = os.environ.get("PALLAS_KERNELS_IMPL", "interpret")
+TOL_F64 = {jnp.float32: 1e-3, jnp.bfloat16: 5e-3}
+TOL_XLA = 1e-2
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _x(rng, shape, dtype):
+    return jnp.asarray(rng.normal(size=shape).astype(np.float32)).astype(dtype)
+
+
+def _nvfp4(rng, lead, n, k):
+    packed = rng.integers(0, 256, (*lead, n, k // 2), dtype=np.uint8)
+    block = rng.uniform(0.05, 4.0, (*lead, n, k // 16)).astype(np.float32)
+    glob = rng.uniform(0.002, 0.02, lead).astype(np.float32)
+    return NVFP4Weight(jnp.asarray(packed), jnp.asarray(block).astype(jnp.float8_e4m3fn), jnp.asarray(glob))
+
+
+def _fp8(rng, lead, n, k):
+    data = np.clip(rng.normal(0.0, 80.0, (*lead, n, k)), -448, 448).astype(np.float32)
+    scale = rng.uniform(0.002, 0.02, lead).astype(np.float32)
+    return FP8Weight(jnp.asarray(data).astype(jnp.float8_e4m3fn), jnp.asarray(scale))
+
+
+def _dense(rng, lead, n, k):
+    return jnp.asarray(rng.normal(0.0, 0.2, (*lead, n, k)).astype(np.float32)).astype(jnp.bfloat16)
+
+
+WEIGHTS = {"dense": _dense, "fp8": _fp8, "nvfp4": _nvfp4}
+
+
+def _f64(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+
+
+def _check(y, ref, tol, what):
+    y, ref = _f64(y), np.asarray(ref, np.float64)
+    assert y.shape == ref.shape, (what, y.shape, ref.shape)
+    assert np.isfinite(y).all(), f"{what}: non-finite output (unwritten tile or NaN leak)"
+    norm_err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    max_err = np.abs(y - ref).max() / np.abs(ref).max()
+    assert norm_err < tol and max_err < 2 * tol, (what, norm_err, max_err, tol)
+
+
+def test_dequant_helpers_exact():
+    codes = np.arange(256, dtype=np.uint8)
+    lo, hi = e2m1_pair_to_f16(jnp.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(lo, np.float32), E2M1_VALUES[codes & 15])
+    np.testing.assert_array_equal(np.asarray(hi, np.float32), E2M1_VALUES[codes >> 4])
+    f8 = jnp.asarray(codes).view(jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(fp8_to_f16(f8), np.float32), np.asarray(f8, np.float32))
+
+
+# (leading dims, N, K): odd M, N not a multiple of the 64-row tile, K = 16 * odd, several row blocks.
+MATMUL_CASES = [((13,), 200, 144, jnp.bfloat16), ((13,), 200, 144, jnp.float32),
+                ((2, 3), 72, 48, jnp.bfloat16), ((130,), 72, 48, jnp.float32)]
+
+
+@pytest.mark.parametrize("lead,n,k,dtype", MATMUL_CASES)
+def test_nvfp4_matmul(lead, n, k, dtype):
+    rng = _rng(1)
+    x, w = _x(rng, (*lead, k), dtype), _nvfp4(rng, (), n, k)
+    y = nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, impl=IMPL)
+    assert y.dtype == dtype
+    ref64 = _f64(x) @ _f64(dequantize(w)).T
+    _check(y, ref64, TOL_F64[dtype], "nvfp4 vs f64")
+    _check(y, nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, impl="xla"), TOL_XLA, "nvfp4 vs xla")
+
+
+@pytest.mark.parametrize("lead,n,k,dtype", MATMUL_CASES)
+def test_fp8_matmul(lead, n, k, dtype):
+    rng = _rng(2)
+    x, w = _x(rng, (*lead, k), dtype), _fp8(rng, (), n, k)
+    y = fp8_matmul(x, w.data, w.scale, impl=IMPL)
+    assert y.dtype == dtype
+    ref64 = _f64(x) @ _f64(dequantize(w)).T
+    _check(y, ref64, TOL_F64[dtype], "fp8 vs f64")
+    _check(y, fp8_matmul(x, w.data, w.scale, impl="xla"), TOL_XLA, "fp8 vs xla")
+
+
+# T=5 tokens, k=3 of E=6 experts, H=80 (16*5), F=48 (16*3); experts repeat across tokens, expert 4 unused.
+T, TOPK, E, H, F = 5, 3, 6, 80, 48
+EXPERT_IDX = np.array([[0, 2, 3], [2, 3, 0], [5, 2, 1], [2, 0, 3], [1, 2, 5]], np.int32)
+UNUSED = 4
+
+
+def _moe_inputs(fmt, dtype, seed=3):
+    rng = _rng(seed)
+    x = _x(rng, (T, H), dtype)
+    weight = jnp.asarray(rng.uniform(0.1, 1.0, (T, TOPK)).astype(np.float32))
+    return x, jnp.asarray(EXPERT_IDX), weight, WEIGHTS[fmt](rng, (E,), F, H), WEIGHTS[fmt](rng, (E,), H, F)
+
+
+def _moe_f64(x, idx, weight, up, down):
+    up64, down64, x64 = _f64(dequantize(up)), _f64(dequantize(down)), _f64(x)
+    y = np.zeros((T, H))
+    for t in range(T):
+        for j in range(TOPK):
+            e = int(idx[t, j])
+            y[t] += float(weight[t, j]) * (down64[e] @ np.square(np.maximum(up64[e] @ x64[t], 0.0)))
+    return y
+
+
+def _poison(w, e):
+    """Copy of stacked weight w with expert e's values replaced by NaN."""
+    if isinstance(w, NVFP4Weight):
+        return NVFP4Weight(w.packed, w.block_scale.at[e].set(jnp.nan), w.global_scale)
+    if isinstance(w, FP8Weight):
+        return FP8Weight(w.data.at[e].set(jnp.nan), w.scale)
+    return w.at[e].set(jnp.nan)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("dense", jnp.bfloat16), ("fp8", jnp.bfloat16),
+                                       ("nvfp4", jnp.bfloat16), ("nvfp4", jnp.float32)])
+def test_moe_experts(fmt, dtype):
+    x, idx, weight, up, down = _moe_inputs(fmt, dtype)
+    y = moe_experts(x, idx, weight, up, down, impl=IMPL)
+    assert y.dtype == dtype
+    tol = 8e-3 if fmt == "dense" else TOL_F64[dtype]
+    _check(y, _moe_f64(x, idx, weight, up, down), tol, f"moe {fmt} vs f64")
+    _check(y, moe_experts(x, idx, weight, up, down, impl="xla"), TOL_XLA, f"moe {fmt} vs xla")
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "nvfp4"])
+def test_moe_reads_only_selected_experts(fmt):
+    x, idx, weight, up, down = _moe_inputs(fmt, jnp.bfloat16)
+    clean = moe_experts(x, idx, weight, up, down, impl=IMPL)
+    unselected = moe_experts(x, idx, weight, _poison(up, UNUSED), _poison(down, UNUSED), impl=IMPL)
+    np.testing.assert_array_equal(np.asarray(unselected, np.float32), np.asarray(clean, np.float32))
+    selected = moe_experts(x, idx, weight, up, _poison(down, 5), impl=IMPL)
+    uses_5 = (EXPERT_IDX == 5).any(axis=1)
+    nan_rows = np.isnan(np.asarray(selected, np.float32)).any(axis=1)
+    np.testing.assert_array_equal(nan_rows, uses_5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_moe_experts_single_token(fmt):
+    """Decode (T=1) takes the one-block-per-expert path; NaN in an unselected expert must not leak."""
+    x, _, weight, up, down = _moe_inputs(fmt, jnp.bfloat16)
+    x, weight, idx = x[:1], weight[:1], jnp.asarray(EXPERT_IDX[2:3])  # experts 5, 2, 1
+    y = moe_experts(x, idx, weight, _poison(up, UNUSED), _poison(down, UNUSED), impl=IMPL)
+    up64, down64, x64 = _f64(dequantize(up)), _f64(dequantize(down)), _f64(x)[0]
+    ref = sum(float(weight[0, j]) * (down64[e] @ np.square(np.maximum(up64[e] @ x64, 0.0)))
+              for j, e in enumerate(EXPERT_IDX[2]))
+    _check(y, ref[None], TOL_F64[jnp.bfloat16], f"moe T=1 {fmt} vs f64")
+
+
+def test_route_blocks_covers_every_pair_once():
+    rng = _rng(4)
+    idx = jnp.asarray(rng.integers(0, 7, (9, 4)).astype(np.int32))
+    slot_pair, block_expert = jax.jit(route_blocks, static_argnums=(1, 2))(idx, 7, 8)
+    slot_pair, block_expert = np.asarray(slot_pair), np.asarray(block_expert)
+    pairs = idx.size
+    filled = slot_pair[slot_pair < pairs]
+    np.testing.assert_array_equal(np.sort(filled), np.arange(pairs))
+    flat = np.asarray(idx).reshape(-1)
+    for slot in np.nonzero(slot_pair < pairs)[0]:
+        assert block_expert[slot // 8] == flat[slot_pair[slot]]
+    assert (block_expert >= 0).sum() == sum(-(-np.sum(flat == e) // 8) for e in range(7))
