@@ -170,10 +170,11 @@ def load(model_dir: str, dtype: str) -> tuple[NemotronHForCausalLM, DtWatch]:
     """from_pretrained with the eager (reference) attention and expert code; cached per process."""
     key = (model_dir, dtype)
     if key not in _LOADED:
-        model = NemotronHForCausalLM.from_pretrained(
-            model_dir, dtype=DTYPES[dtype], local_files_only=True,
-            attn_implementation="eager", experts_implementation="eager",
-        )
+        kwargs = dict(dtype=DTYPES[dtype], local_files_only=True, attn_implementation="eager")
+        try:
+            model = NemotronHForCausalLM.from_pretrained(model_dir, experts_implementation="eager", **kwargs)
+        except TypeError:  # transformers releases before the experts_implementation switch (e.g. the GPU image's)
+            model = NemotronHForCausalLM.from_pretrained(model_dir, **kwargs)
         model.eval()
         _LOADED[key] = (model, DtWatch(model))
     model, watch = _LOADED[key]
