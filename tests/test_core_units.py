@@ -1,0 +1,188 @@
+"""Config parsing and its errors, the chunked SSD against the recurrence, checkpoint errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import nemoh
+from nemoh import CheckpointError, ConfigError, NemotronHConfig
+from nemoh.layers.ssd import ssd_chunked, ssd_reference
+
+DATA = Path(__file__).parent / "data"
+BASE = {"vocab_size": 64, "hidden_size": 32, "hybrid_override_pattern": "M*E-", "mamba_num_heads": 4,
+        "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 16, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 16}
+
+
+# ---- config -----------------------------------------------------------------------------------------
+def test_nano_config_parses():
+    cfg = NemotronHConfig.from_json_file(DATA / "nano_config.json")
+    assert cfg.num_layers == 52
+    assert len(cfg.layers_of("mamba")) == 23 and len(cfg.layers_of("moe")) == 23
+    assert cfg.layers_of("attention") == (5, 12, 19, 26, 33, 42)
+
+
+def test_both_spellings_and_aliases_agree():
+    words = ["mamba", "full_attention", "moe", "mlp"]
+    listed = {k: v for k, v in BASE.items() if k != "hybrid_override_pattern"}
+    a = NemotronHConfig.from_dict(BASE)
+    b = NemotronHConfig.from_dict({**listed, "layers_block_type": words})
+    c = NemotronHConfig.from_dict({**listed, "layers_block_type": ["linear_attention", "attention", "moe", "mlp"]})
+    assert a == b == c
+    legacy = {k: v for k, v in BASE.items() if k not in ("n_groups", "head_dim")}
+    d = NemotronHConfig.from_dict({**legacy, "mamba_n_groups": 2, "attention_head_dim": 8, "mamba_d_conv": 5,
+                                   "mamba_chunk_size": 32, "mamba_conv_bias": False,
+                                   "mamba_dt_limit": [0.0, {"__float__": "Infinity"}]})
+    assert (d.n_groups, d.head_dim, d.conv_kernel, d.chunk_size, d.use_conv_bias) == (2, 8, 5, 32, False)
+    assert d.time_step_limit == (0.0, float("inf"))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hybrid_override_pattern": "M*X"}, "unknown layer kind 'X' at layer 2"),
+    ({"hybrid_override_pattern": None, "layers_block_type": ["mamba", "rnn"]}, "unknown layer kind 'rnn' at layer 1"),
+    ({"layers_block_type": ["mamba"]}, "disagrees with layers_block_type"),
+    ({"hybrid_override_pattern": None}, "neither hybrid_override_pattern nor layers_block_type"),
+    ({"mamba_num_heads": 6, "n_groups": 4}, "n_groups=4: mamba_num_heads=6 is not divisible"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "num_key_value_heads=4: num_attention_heads=6"),
+    ({"n_routed_experts": 6, "n_group": 4, "topk_group": 1}, "n_group=4: n_routed_experts=6 is not divisible"),
+    ({"n_group": 2, "topk_group": 3}, "topk_group=3: exceeds n_group=2"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5"),
+    ({"hidden_size": 0}, "hidden_size=0: must be a positive integer"),
+    ({"head_dim": -8}, "head_dim=-8"),
+    ({"eos_token_id": 64}, "eos_token_id=64 is outside the vocabulary"),
+    ({"use_bias": True}, "use_bias=True"),
+    ({"mamba_n_groups": 4}, "both mamba_n_groups=4 and n_groups=2"),
+    ({"vocab_size": None}, "vocab_size"),
+])
+def test_config_errors_name_the_culprit(change, match):
+    raw = {**BASE, **change}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):
+        NemotronHConfig.from_dict(raw)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        NemotronHConfig.from_json_file(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        NemotronHConfig.from_json_file(tmp_path / "config.json")
+
+
+# ---- SSD --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T, Q, G, with_state", [(37, 8, 2, True), (37, 8, 1, False), (5, 16, 2, True),
+                                                 (1, 4, 2, True), (32, 8, 4, False)])
+def test_chunked_ssd_equals_recurrence(T, Q, G, with_state):
+    k = jax.random.split(jax.random.PRNGKey(T * 10 + Q), 7)
+    b, nh, hd, N = 2, 4, 3, 5
+    x = jax.random.normal(k[0], (b, T, nh, hd))
+    dt = jax.nn.softplus(jax.random.normal(k[1], (b, T, nh)) - 1)
+    A = -jnp.exp(jax.random.normal(k[2], (nh,)))
+    B = jax.random.normal(k[3], (b, T, G, N))
+    C = jax.random.normal(k[4], (b, T, G, N))
+    D = jax.random.normal(k[5], (nh,))
+    s0 = jax.random.normal(k[6], (b, nh, hd, N)) if with_state else None
+    y_ref, s_ref = ssd_reference(x, dt, A, B, C, D, s0)
+    y, s = ssd_chunked(x, dt, A, B, C, D, Q, s0)
+    assert float(jnp.max(jnp.abs(y - y_ref)) / jnp.max(jnp.abs(y_ref))) < 1e-5
+    assert float(jnp.max(jnp.abs(s - s_ref)) / jnp.max(jnp.abs(s_ref))) < 1e-5
+    # padding rows (dt = 0) leave the state unchanged
+    dt0 = dt.at[:, T // 2 :].set(0.0)
+    _, s_half = ssd_chunked(x[:, : T // 2 or 1], dt[:, : T // 2 or 1], A, B[:, : T // 2 or 1], C[:, : T // 2 or 1], D, Q, s0)
+    if T // 2:
+        _, s_pad = ssd_chunked(x, dt0, A, B, C, D, Q, s0)
+        np.testing.assert_allclose(np.asarray(s_pad), np.asarray(s_half), rtol=1e-5, atol=1e-5)
+
+
+# ---- checkpoint errors ----------------------------------------------------------------------------
+SHIPPED = Path(__file__).parents[1] / "checkpoints" / "tiny-nemotron-h"
+
+
+def _copy(tmp_path) -> Path:
+    dst = tmp_path / "ck"
+    shutil.copytree(SHIPPED, dst)
+    return dst
+
+
+def _edit(ck: Path, fn) -> None:
+    tensors = load_file(str(ck / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(ck / "model.safetensors"))
+
+
+def test_shipped_checkpoint_loads_and_runs():
+    params = nemoh.load(SHIPPED, dtype=jnp.bfloat16)
+    assert params.embed.dtype == jnp.bfloat16
+    moe = next(l for l in params.layers if type(l).__name__ == "MoEParams")
+    assert moe.router.dtype == jnp.float32 and moe.experts_up.ndim == 3
+    assert nemoh.forward(params, [1, 2, 3]).shape == (1, 3, params.config.vocab_size)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.pop("backbone.layers.0.mixer.D"), "tensor backbone.layers.0.mixer.D is missing"),
+    (lambda t: t.update({"backbone.layers.0.mixer.extra": np.zeros(3, np.float32)}),
+     r"unexpected tensors .*backbone.layers.0.mixer.extra \(in model.safetensors\)"),
+    (lambda t: t.update({"backbone.norm_f.weight": np.zeros(7, np.float32)}),
+     r"tensor backbone.norm_f.weight in model.safetensors: shape \[7\]"),
+    (lambda t: t.update({"backbone.norm_f.weight": t["backbone.norm_f.weight"].astype(np.int32)}),
+     "tensor backbone.norm_f.weight in model.safetensors: dtype I32"),
+])
+def test_checkpoint_errors_name_tensor_and_file(tmp_path, edit, match):
+    ck = _copy(tmp_path)
+    _edit(ck, edit)
+    with pytest.raises(CheckpointError, match=match):
+        nemoh.load(ck)
+
+
+def test_corrupt_and_missing_files(tmp_path):
+    ck = _copy(tmp_path)
+    (ck / "model.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(CheckpointError, match="model.safetensors: unreadable safetensors file"):
+        nemoh.load(ck)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        nemoh.load(tmp_path / "nowhere")
+    (ck / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config.json"):
+        nemoh.load(ck)
+
+
+def test_sharded_checkpoint_and_index_errors(tmp_path):
+    ck = _copy(tmp_path)
+    tensors = load_file(str(ck / "model.safetensors"))
+    (ck / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+            "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for fname, part in half.items():
+        save_file({n: tensors[n] for n in part}, str(ck / fname))
+    index = {"weight_map": {n: f for f, part in half.items() for n in part}}
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    a = nemoh.load(ck, dtype=jnp.float32)
+    b = nemoh.load(SHIPPED, dtype=jnp.float32)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    wrong = dict(index["weight_map"])
+    wrong[names[0]] = "model-00002-of-00002.safetensors"
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wrong}))
+    with pytest.raises(CheckpointError, match=f"tensor {names[0]}: model.safetensors.index.json names"):
+        nemoh.load(ck)
+    (ck / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="shard model-00002-of-00002.safetensors listed"):
+        nemoh.load(ck)
+
+
+def test_embedding_spelling_and_no_pickle(tmp_path):
+    ck = _copy(tmp_path)
+    _edit(ck, lambda t: t.update({"backbone.embedding.weight": t.pop("backbone.embeddings.weight")}))
+    (ck / "pytorch_model.bin").write_bytes(b"garbage that must never be unpickled")
+    params = nemoh.load(ck, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(params.embed), np.asarray(nemoh.load(SHIPPED, dtype=jnp.float32).embed))
