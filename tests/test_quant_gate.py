@@ -50,3 +50,4 @@ def test_quantised_gate_strict(quantised, algo):
     result = compare(nemoh.generate(params, prompts, max_new_tokens=24), ref)
     print(f"[{algo}] {result.line()}")
     assert result.strict, result.line()
+

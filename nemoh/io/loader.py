@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 from nemoh.errors import CheckpointError
-from nemoh.io.modelopt import QuantSpec, read_linear
+from nemoh.io.modelopt import QuantSpec, read_kv_scales, read_linear
 from nemoh.io.tensor_source import TensorSource
 from nemoh.layers.attention import AttentionParams
 from nemoh.layers.mamba2 import MambaParams
@@ -72,6 +72,9 @@ def _mamba(r: _Reader, cfg: NemotronHConfig, pre: str) -> MambaParams:
 
 
 def _attention(r: _Reader, cfg: NemotronHConfig, pre: str) -> AttentionParams:
+    # FP8 KV-cache scales (k_proj.k_scale / v_proj.v_scale) are checked, then left unused: nemoh keeps
+    # the KV pages in the model dtype, which is at least as precise as the FP8 cache they calibrate.
+    read_kv_scales(r.src, f"{pre}.mixer")
     H, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return AttentionParams(
         norm=r.vector(f"{pre}.norm.weight", (H,)),
