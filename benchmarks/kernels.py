@@ -1,8 +1,8 @@
 """GPU benchmark of pallas_kernels at Nemotron-3 Nano shapes: error, median time, GB/s, XLA baselines.
 
 Run on the GPU machine:  PYTHONPATH=. python3 benchmarks/kernels.py [--sweep] [--out DIR]
-Cases: NVFP4 / FP8 GEMV 2688 -> 10304 (mamba in_proj) at M=1, the same as a prefill GEMM at M=512, and
-MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688) with bf16 / FP8 / NVFP4 experts.
+Cases: NVFP4 / FP8 / bf16 GEMV 2688 -> 10304 (mamba in_proj) at M=1, the same as a prefill GEMM at M=512,
+and MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688) with bf16 / FP8 / NVFP4 experts.
 
 Timing: each jitted call runs the op over R rotated weight copies (or R expert selections), so the
 weights are not L2-resident and launch gaps are those of one compiled program; reported time is the
@@ -23,8 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from nemoh.quant.types import FP8Weight, NVFP4Weight, dequantize
-from pallas_kernels import fp8_matmul, moe_experts, nvfp4_matmul, reference
+from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts, reference
 from pallas_kernels._blocked import Tiling
 
 HIDDEN, IN_PROJ, EXPERTS, TOPK, FFN = 2688, 10304, 128, 6, 1856
@@ -37,13 +36,13 @@ def rand_nvfp4(key, lead, n, k):
     kp, ks, kg = jax.random.split(key, 3)
     packed = jax.random.bits(kp, (*lead, n, k // 2), jnp.uint8)
     block = jax.random.uniform(ks, (*lead, n, k // 16), jnp.float32, 0.05, 4.0).astype(jnp.float8_e4m3fn)
-    return NVFP4Weight(packed, block, jax.random.uniform(kg, lead, jnp.float32, 0.002, 0.02))
+    return NVFP4Weight.from_hf(packed, block, jax.random.uniform(kg, lead, jnp.float32, 0.002, 0.02))
 
 
 def rand_fp8(key, lead, n, k):
     kd, ks = jax.random.split(key)
     data = jnp.clip(80.0 * jax.random.normal(kd, (*lead, n, k)), -448, 448).astype(jnp.float8_e4m3fn)
-    return FP8Weight(data, jax.random.uniform(ks, lead, jnp.float32, 0.002, 0.02))
+    return FP8Weight.from_hf(data, jax.random.uniform(ks, lead, jnp.float32, 0.002, 0.02))
 
 
 def rand_dense(key, lead, n, k):
@@ -106,28 +105,22 @@ def hbm_ceiling_gbs():
 
 
 def matmul_cases(key, sweep):
-    """(name, x, weights list, op(x, w, tiling), xla op, ref op, bytes per weight, tilings)."""
+    """(name, x, weights list, op(x, w, tiling), xla op, bytes per weight, tilings)."""
     cases = []
-    for fmt, mk in (("nvfp4", rand_nvfp4), ("fp8", rand_fp8)):
-        copies = 8 if fmt == "nvfp4" else 5
+    op = lambda x, w, t: linear(x, w, impl=IMPL, tiling=t)
+    for fmt, mk in (("nvfp4", rand_nvfp4), ("fp8", rand_fp8), ("bf16", rand_dense)):
+        copies = {"nvfp4": 8, "fp8": 5, "bf16": 3}[fmt]
         ws = [mk(k, (), IN_PROJ, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, len(cases)), copies)]
-        if fmt == "nvfp4":
-            op = lambda x, w, t: nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale, impl=IMPL, tiling=t)
-            xla = lambda x, w: reference.nvfp4_matmul(x, w.packed, w.block_scale, w.global_scale)
-        else:
-            op = lambda x, w, t: fp8_matmul(x, w.data, w.scale, impl=IMPL, tiling=t)
-            xla = lambda x, w: reference.fp8_matmul(x, w.data, w.scale)
-        for m in (1, 512):
+        for m in (1, 512) if fmt != "bf16" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
-            tk0 = 64 if fmt == "nvfp4" else 128
+            tk0 = 64 if fmt == "nvfp4" else 128 // (2 if fmt == "bf16" else 1)
             tilings = [Tiling()]
             if sweep and m == 1:
-                tilings += [Tiling(stage_a=True), Tiling(tk=2 * tk0), Tiling(tk=2 * tk0, stage_a=True),
-                            Tiling(stages=2), Tiling(stages=4), Tiling(target_ctas=1056)]
+                tilings += [Tiling(ptx=False), Tiling(stages=2), Tiling(tk=2 * tk0), Tiling(ctas_per_sm=8)]
             elif sweep:
-                tilings += [Tiling(stage_a=True), Tiling(stages=2)]
-            cases.append((f"{fmt}_matmul M={m} {HIDDEN}->{IN_PROJ}", x, ws if m == 1 else ws[:3], op, xla,
-                          nbytes(ws[0]), tilings))
+                tilings += [Tiling(ptx=False)]
+            cases.append((f"{fmt} linear M={m} {HIDDEN}->{IN_PROJ}", x, ws if m == 1 else ws[:3], op,
+                          reference.linear, nbytes(ws[0]), tilings))
     return cases
 
 
@@ -175,7 +168,7 @@ def run_moe(key, sweep, rows, copies=8):
         ref = reference.moe_experts(x, *sel[0], up, down)
         xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
         print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
-        tilings = [Tiling()] + ([Tiling(stage_a=True), Tiling(target_ctas=264), Tiling(target_ctas=1056)] if sweep else [])
+        tilings = [Tiling()] + ([Tiling(ptx=False), Tiling(ctas_per_sm=8)] if sweep else [])
         best = None
         for t in tilings:
             fn = jax.jit(lambda x, ss, u, d, t=t: [moe_experts(x, *s, u, d, impl=IMPL, tiling=t) for s in ss])

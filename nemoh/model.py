@@ -23,7 +23,7 @@ from nemoh.layers.mamba2 import MambaParams, mamba2_mixer
 from nemoh.layers.mlp import MLPParams, mlp_mixer
 from nemoh.layers.moe import MoEParams, moe_mixer
 from nemoh.layers.norms import rms_norm
-from nemoh.quant import Weight, linear
+from pallas_kernels import Weight, linear
 
 # mixer(params, normed h [b, T, H], config, layer state or None, ctx) -> (out [b, T, H], new state)
 Mixer = Callable[[Any, jax.Array, NemotronHConfig, Any, TokenContext], tuple[jax.Array, Any]]
@@ -58,6 +58,13 @@ class ModelParams:
         return self.embed.dtype
 
 
+def apply_mixer(layer, h: jax.Array, cfg: NemotronHConfig, state, ctx: TokenContext) -> tuple[jax.Array, Any]:
+    """One layer's mixer on its normed input h [b, T, H] -> (out [b, T, H], new state), under the
+    layer's named scope."""
+    with jax.named_scope(layer_scope(layer)):
+        return _MIXERS[type(layer)](layer, h, cfg, state, ctx)
+
+
 def run_layers(params: ModelParams, tokens: jax.Array, ctx: TokenContext, states: tuple | None
                ) -> tuple[jax.Array, tuple | None]:
     """tokens [b, T] -> (final-normed hidden [b, T, H], new per-layer states).
@@ -68,21 +75,27 @@ def run_layers(params: ModelParams, tokens: jax.Array, ctx: TokenContext, states
     h = params.embed[tokens]
     new_states = []
     for i, layer in enumerate(params.layers):
-        mixer = _MIXERS.get(type(layer))
-        if mixer is None:
+        if type(layer) not in _MIXERS:
             raise TypeError(f"layer {i}: no mixer registered for params type {type(layer).__name__}")
-        out, state = mixer(layer, rms_norm(h, layer.norm, cfg.layer_norm_epsilon), cfg,
-                           None if states is None else states[i], ctx)
+        out, state = apply_mixer(layer, rms_norm(h, layer.norm, cfg.layer_norm_epsilon), cfg,
+                                 None if states is None else states[i], ctx)
         h = h + out.astype(h.dtype)
         new_states.append(state)
     h = rms_norm(h, params.norm_f, cfg.layer_norm_epsilon)
     return h, (None if states is None else tuple(new_states))
 
 
+def layer_scope(layer) -> str:
+    """The named scope a layer's ops carry in compiled programs (profiles group kernels by it):
+    the params type's name without "Params", lower case (mamba, attention, moe, mlp, ...)."""
+    return type(layer).__name__.removesuffix("Params").lower()
+
+
 def logits_from_hidden(params: ModelParams, h: jax.Array) -> jax.Array:
     """h [..., H] -> fp32 logits [..., V] (lm_head output in model dtype, then widened, as HF does)."""
     head = params.embed if params.lm_head is None else params.lm_head
-    return linear(h, head).astype(jnp.float32)
+    with jax.named_scope("lm_head"):
+        return linear(h, head).astype(jnp.float32)
 
 
 @jax.jit

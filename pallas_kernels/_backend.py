@@ -1,4 +1,4 @@
-"""Which implementation runs (impl=...), and the one import of Mosaic GPU's private interpret params.
+"""Which implementation runs (impl=...), and the interpreter parameters for CPU runs.
 
 impl: "pallas" (the Mosaic GPU kernel, compiled for the GPU), "interpret" (the same kernel body run
 on CPU by the Mosaic GPU interpreter, for CI), "xla" (the jnp reference). None picks "pallas" on a GPU
@@ -7,17 +7,37 @@ backend and "xla" elsewhere.
 
 from __future__ import annotations
 
-import jax
+import contextlib
+import functools
 
-# Private module (jax 0.11.2): the only place this package touches it.
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+import jax
+from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 
 IMPLS = ("pallas", "interpret", "xla")
+DEFAULT_NUM_SMS = 132  # H100 / H200 SXM: used where the device does not report its core count
+
+
+_default_override: list[str] = []
+
+
+@contextlib.contextmanager
+def default_impl(impl: str):
+    """Within this block, ops called with impl=None use `impl` (e.g. "xla" to trace a reference).
+    It acts when a function is traced: jit-compiled callers already traced keep their impl."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    _default_override.append(impl)
+    try:
+        yield
+    finally:
+        _default_override.pop()
 
 
 def resolve_impl(impl: str | None) -> str:
-    """Validate `impl`, defaulting to "pallas" on GPU and "xla" otherwise."""
+    """Validate `impl`; None means the innermost `default_impl`, else "pallas" on GPU and "xla" otherwise."""
     if impl is None:
+        if _default_override:
+            return _default_override[-1]
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -27,3 +47,10 @@ def resolve_impl(impl: str | None) -> str:
 def interpret_params(impl: str):
     """The `interpret=` argument of plgpu.kernel for a resolved kernel impl."""
     return InterpretGPUParams(uninitialized_memory="nan") if impl == "interpret" else None
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device (split-K targets a few CTAs per SM)."""
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) if device.platform == "gpu" else DEFAULT_NUM_SMS

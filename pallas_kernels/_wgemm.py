@@ -6,20 +6,22 @@ the K range Ks of split s (split-K; the caller sums over s). Weights sit on the 
 the Hopper minimum), activations on the N side (tm = 8..128), so decode (M = 1..8) wastes no weight
 bandwidth. Quantised weights are decoded in registers right before the wgmma (never written back).
 
-Weight formats (`fmt`):
-  "nvfp4": xs = (x_even, x_odd) float16 [B, tm, K/2]; w = packed uint8 [E, N, K/2];
-           scale = block scales float8_e4m3fn [E, N, K/16]; out = sum_k e2m1 * block_scale * x.
-  "fp8":   xs = (x,) float16 [B, tm, K]; w = float8_e4m3fn [E, N, K]; out = sum_k w * x.
-  "dense": xs = (x,) in w.dtype [B, tm, K]; w = bf16/f16/f32 [E, N, K] (f32 runs as tf32).
-Per-tensor scales (NVFP4 global scale, FP8 scale) are applied by the caller on the f32 output.
+Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats):
+  x      [B, tm, K] in the MMA dtype (dense: the weight's dtype; quantised: float16, what they decode to)
+  w      [E, N, Kw] streamed weight elements (Kw = K / fmt.K_PER_ELEMENT)
+  scale  [E, K/16, N] block scales streamed with the codes (formats with BYTES_PER_SCALE_ROW), or None
+Each K step streams a (64, tk) weight tile, its (tk / BYTES_PER_SCALE_ROW, 64) scale tile and a
+(tm, tk * K_PER_ELEMENT) activation tile through one TMA pipeline. Per-tensor scales are applied by the
+caller on the f32 output.
 
-Shape contract (the callers pad): N % 64 == 0; xs' K extent == splits * steps * tk (zero padded);
-w's K extent may be shorter than xs' (the TMA engine zero-fills the tail) but must be a multiple of
-32 bytes (dense w: of tk).
+Shape contract (the callers pad): N % 64 == 0; x's K extent == splits * steps * tk * K_PER_ELEMENT
+(zero padded); w's K extent may be shorter (the TMA engine zero-fills the tail, and so scale tiles past
+the last block read as zero) but must be a multiple of 32 bytes (dense w: of tk).
 Blocks with eid[b] < 0 are skipped and their output left unwritten.
 
 stage_a: decoded A operands go registers -> SMEM -> wgmma instead of straight from registers. The
-interpreter only models SMEM operands, so interpret mode always stages.
+interpreter only models SMEM operands, so interpret mode always stages. ptx: the format's hand-written
+PTX decode (GPU only; interpret mode runs the same decode in jnp).
 """
 
 from __future__ import annotations
@@ -32,10 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._dequant import e2m1_pair_to_f16, fp8_to_f16, scale_column_chunks
-
 TN = 64  # weight rows per CTA (wgmma M)
-NVFP4_BYTES_PER_GROUP = 8  # 16 e2m1 codes share one block scale
 
 # One value per row of a 64-row WGMMA tile (what a row reduction of a WGMMA-layout array yields).
 _ROW = plgpu.Layout.TILED(
@@ -56,7 +55,7 @@ def _weight_transforms(fmt, w, tk: int):
     """SMEM tiling of a weight tile. Dense W is a wgmma operand and shares x's swizzle; a quantised
     tile only goes to registers, so it takes the widest swizzle whose width divides w's K extent
     (Mosaic's TMA tiles the GMEM side too), letting the last K step run past K (zero fill)."""
-    if fmt == "dense":
+    if fmt is None:
         return _smem_transforms(w.dtype, tk)
     for swizzle in (128, 64, 32):
         if tk % swizzle == 0 and w.shape[-1] % swizzle == 0:
@@ -64,46 +63,34 @@ def _weight_transforms(fmt, w, tk: int):
     raise ValueError(f"weight K extent {w.shape[-1]} bytes must be a multiple of 32")
 
 
-def _step_operands(fmt, w_smem, s_ref, e, n0, kg, tk):
-    """The wgmma A operands (one per x input) for global K step `kg` of this weight tile.
-
-    NVFP4 block scales are read column by column straight from GMEM into a per-row layout: their rows
-    (K/16 bytes) are not 16-byte aligned for TMA. Those loads and the integer e2m1 decode are what
-    bound the NVFP4 kernel (~1 TB/s at decode on H200, against ~2.9 TB/s for FP8)."""
-    if fmt == "dense":
-        return [w_smem]
-    codes = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
-    if fmt == "fp8":
-        return [fp8_to_f16(codes)]
-    groups = tk // NVFP4_BYTES_PER_GROUP
-    last = s_ref.shape[-1] - 1
-    scales = [
-        fp8_to_f16(plgpu.load(s_ref.at[e, pl.ds(n0, TN), jnp.minimum(kg * groups + c, last)],
-                              layout=_ROW, optimized=False))
-        for c in range(groups)
-    ]
-    lo, hi = e2m1_pair_to_f16(codes)
-    return [scale_column_chunks(v, scales, NVFP4_BYTES_PER_GROUP) for v in (lo, hi)]
+def scale_rows_per_step(fmt, tk: int) -> int:
+    """Block-scale rows one K step of tk streamed weight elements needs (0: the format has none)."""
+    per_row = getattr(fmt, "BYTES_PER_SCALE_ROW", None)
+    return tk // per_row if per_row else 0
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "interpret"))
-def weight_gemm_t(xs, w, scale, eid, *, fmt: str, tk: int, splits: int, stages: int, stage_a: bool = False,
-                  interpret=None):
+@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "interpret"))
+def weight_gemm_t(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
+                  ptx: bool = False, interpret=None):
     """Transposed blocked product, float32 [splits, B, N, tm] (see module docstring)."""
-    xs = tuple(xs)
-    num_blocks, tm, kx = xs[0].shape
+    num_blocks, tm, kx = x.shape
     _, n, _ = w.shape
-    steps = kx // (tk * splits)
-    if n % TN or kx != steps * tk * splits or steps < 1:
+    tkx = tk * (fmt.K_PER_ELEMENT if fmt else 1)
+    steps = kx // (tkx * splits)
+    if n % TN or kx != steps * tkx * splits or steps < 1:
         raise ValueError(f"bad blocking: N={n}, K extent {kx}, tk={tk}, splits={splits}")
-    stage_a = (stage_a or interpret is not None) and fmt != "dense"
-    a_transforms = _smem_transforms(jnp.float16, tk)
-    w_transforms = _weight_transforms(fmt, w, tk)
+    n_scale = scale_rows_per_step(fmt, tk)
+    if (scale is None) != (n_scale == 0):
+        raise ValueError(f"format {fmt} streams {n_scale} scale rows a step, got scale={scale is not None}")
+    stage_a = (stage_a or interpret is not None) and fmt is not None
+    ptx = ptx and interpret is None
+    mma_dtype = x.dtype
+    if fmt is not None and mma_dtype != jnp.float16:
+        raise ValueError(f"quantised weights decode to float16: x must be float16, got {mma_dtype}")
 
-    def wgemm(eid_ref, *refs):
-        x_refs, w_ref = refs[:len(xs)], refs[len(xs)]
-        s_ref = refs[len(xs) + 1] if fmt == "nvfp4" else None
-        o_ref, a_smem = refs[-2:]
+    def wgemm(eid_ref, x_ref, w_ref, *refs):
+        s_ref, refs = (refs[0], refs[1:]) if n_scale else (None, refs)
+        o_ref, a_smem = refs[0], (refs[1] if stage_a else None)
         ni, b, s = lax.axis_index("n"), lax.axis_index("b"), lax.axis_index("s")
         e = eid_ref[b]
         n0 = ni * TN
@@ -111,25 +98,29 @@ def weight_gemm_t(xs, w, scale, eid, *, fmt: str, tk: int, splits: int, stages: 
         @pl.when(e >= 0)
         def _():
             def acc_scope(acc):
-                def step(idx, *smem):
-                    kg = s * steps + idx[0]
-                    a_ops = _step_operands(fmt, smem[-1], s_ref, e, n0, kg, tk)
-                    if stage_a:
-                        for i, a in enumerate(a_ops):
-                            a_smem[i] = a
-                        plgpu.commit_smem()
-                        a_ops = [a_smem.at[i] for i in range(len(a_ops))]
-                    for a, x_smem in zip(a_ops, smem[:-1]):
-                        plgpu.wgmma(acc, a, x_smem.T)
+                def step(_, x_smem, w_smem, *s_smem):
+                    if fmt is None:
+                        a = w_smem
+                    else:
+                        codes = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
+                        rows = [plgpu.load(s_smem[0].at[c], layout=_ROW, optimized=False).astype(jnp.float16)
+                                for c in range(n_scale)]
+                        a = fmt.decode_tile(codes, rows, ptx)
+                        if stage_a:
+                            a_smem[...] = a
+                            plgpu.commit_smem()
+                            a = a_smem
+                    plgpu.wgmma(acc, a, x_smem.T)
                     plgpu.wgmma_wait(0)
 
-                x_spec = plgpu.BlockSpec((tm, tk), lambda k: (0, s * steps + k),
-                                         transforms=_smem_transforms(xs[0].dtype, tk))
-                w_spec = plgpu.BlockSpec((TN, tk), lambda k: (ni, s * steps + k), transforms=w_transforms)
-                plgpu.emit_pipeline(
-                    step, grid=(steps,), in_specs=[x_spec] * len(xs) + [w_spec],
-                    max_concurrent_steps=stages,
-                )(*[x.at[b] for x in x_refs], w_ref.at[e])
+                k0 = s * steps
+                specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx)),
+                         plgpu.BlockSpec((TN, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk))]
+                operands = [x_ref.at[b], w_ref.at[e]]
+                if n_scale:
+                    specs.append(plgpu.BlockSpec((n_scale, TN), lambda k: (k0 + k, ni)))
+                    operands.append(s_ref.at[e])
+                plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*operands)
                 return acc[...]
 
             o_ref[s, b, pl.ds(n0, TN), :] = pl.run_scoped(acc_scope, plgpu.ACC((TN, tm)))
@@ -139,9 +130,7 @@ def weight_gemm_t(xs, w, scale, eid, *, fmt: str, tk: int, splits: int, stages: 
         out_type=jax.ShapeDtypeStruct((splits, num_blocks, n, tm), jnp.float32),
         grid=(n // TN, num_blocks, splits),
         grid_names=("n", "b", "s"),
-        scratch_types=[plgpu.SMEM((len(xs) if stage_a else 1, TN, tk), jnp.float16,
-                                  transforms=a_transforms)],
+        scratch_types=[plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [],
         interpret=interpret,
     )
-    operands = (eid, *xs, w) + ((scale,) if fmt == "nvfp4" else ())
-    return kernel(*operands)
+    return kernel(eid, x, w, *((scale,) if n_scale else ()))

@@ -4,7 +4,8 @@ Token-expert pairs are grouped by expert into blocks of `tm` rows (XLA, tiny; a 
 block per expert without the sort); each kernel CTA indexes
 its block's expert from the block->expert table, so only the selected experts' weight tiles are ever
 fetched (no gather of all experts, no dense pass over E as jax.lax.ragged_dot does). Two kernel
-launches (up, down) with relu^2 and the weighted combine in XLA between and after.
+launches (up, down) with relu^2 and the weighted combine in XLA between and after. The hidden
+activation relu(up x)^2 enters the down projection in x.dtype, as in the reference model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels import reference
 from pallas_kernels._backend import resolve_impl
 from pallas_kernels._blocked import Tiling, blocked_linear
-from nemoh.quant.types import Weight
+from pallas_kernels.formats import Weight
 
 MOE_BLOCK_ROWS = 8
 
@@ -51,12 +52,12 @@ def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS):
 
 
 def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, impl=None,
-                tiling: Tiling = Tiling()):
+                tiling: Tiling | None = None):
     """y[t] = sum_j expert_weight[t,j] * down[e] @ relu(up[e] @ x[t])^2, e = expert_idx[t,j].
 
     x [T, H] bf16/f32; expert_idx int32 [T, k]; expert_weight f32 [T, k]; up [E, F, H] and
     down [E, H, F] as dense arrays, FP8Weight or NVFP4Weight (stacked along E). fp32 accumulation,
-    the hidden activation kept in f32 between the projections; y [T, H] in x.dtype.
+    the hidden activation rounded to x.dtype between the projections; y [T, H] in x.dtype.
     """
     impl = resolve_impl(impl)
     if impl == "xla":
@@ -69,7 +70,7 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, impl=
     slot_token = slot_pair // k  # T for empty slots: the zero row appended below
     xb = jnp.concatenate([x, jnp.zeros_like(x[:1])])[slot_token]
     xb = xb.reshape(-1, MOE_BLOCK_ROWS, x.shape[1])
-    h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling), 0.0))
+    h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling), 0.0)).astype(x.dtype)
     o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
     w = jnp.concatenate([expert_weight.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
     y = jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[slot_token].add(o * w[slot_pair][:, None])

@@ -9,25 +9,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nemoh.quant.types import FP8Weight, NVFP4Weight, Weight, dequantize
+from pallas_kernels.formats import Weight, dequantize
 
 
-def _dot_t(x, w):
-    """x [..., K] @ w[N, K]^T in fp32 accumulation, in x.dtype (w already dequantised)."""
-    w = w.astype(x.dtype)
+def linear(x, w: Weight):
+    """x [..., K] @ dequant(W [N, K])^T -> [..., N] in x.dtype, fp32 accumulation."""
+    wd = dequantize(w, x.dtype)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32, precision=precision)
+    y = jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=jnp.float32, precision=precision)
     return y.astype(x.dtype)
-
-
-def nvfp4_matmul(x, packed, block_scale, global_scale):
-    """x [..., K] @ dequant(NVFP4 W [N, K])^T -> [..., N] in x.dtype."""
-    return _dot_t(x, dequantize(NVFP4Weight(packed, block_scale, global_scale), x.dtype))
-
-
-def fp8_matmul(x, data, scale):
-    """x [..., K] @ (float(data) * scale)^T -> [..., N] in x.dtype (W8A16)."""
-    return _dot_t(x, dequantize(FP8Weight(data, scale), x.dtype))
 
 
 def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight):

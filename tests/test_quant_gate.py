@@ -11,7 +11,7 @@ from nemoh import oracle
 from nemoh.gate import compare, default_prompts
 from nemoh.io.dequantize import dequantize_checkpoint
 from nemoh.io.quantize import quantize_checkpoint
-from nemoh.quant import FP8Weight, NVFP4Weight
+from pallas_kernels import FP8Weight, NVFP4Weight
 
 from oracle_configs import CONFIGS
 

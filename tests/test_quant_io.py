@@ -20,8 +20,8 @@ from nemoh.io import dequantize as dq
 from nemoh.io import quantize as qz
 from nemoh.io.modelopt import QuantSpec, read_kv_scales, read_linear
 from nemoh.io.tensor_source import TensorSource
-from nemoh.quant.types import E2M1_VALUES as JNP_TABLE
-from nemoh.quant.types import FP8Weight, NVFP4Weight, dequantize
+from pallas_kernels.formats import E2M1_VALUES as JNP_TABLE
+from pallas_kernels import FP8Weight, NVFP4Weight, dequantize
 
 BF16, FP8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
 CONFIG = {
@@ -210,12 +210,15 @@ def test_numpy_dequant_equals_jnp_dequantize_bit_for_bit():
               for _ in range(3)]
     packed, block, glob = (np.stack(parts) for parts in zip(*stacks))  # [E, out, ...] like stacked experts
     ref = dq.nvfp4_dequantize(packed, block, glob)
-    got = dequantize(NVFP4Weight(jnp.asarray(packed), jnp.asarray(block), jnp.asarray(glob)))
-    np.testing.assert_array_equal(f32_bits(got), f32_bits(ref))
+    weight = NVFP4Weight.from_hf(packed, block, glob)
+    np.testing.assert_array_equal(f32_bits(dequantize(weight)), f32_bits(ref))
+    back = weight.to_hf()  # the kernel layout converts back to the stored tensors exactly
+    for name, stored in (("weight", packed), ("weight_scale", block), ("weight_scale_2", glob)):
+        np.testing.assert_array_equal(np.asarray(back[name]).view(np.uint8), stored.view(np.uint8))
     for i in range(3):
         np.testing.assert_array_equal(f32_bits(dq.nvfp4_dequantize(*stacks[i])), f32_bits(ref[i]))
     data, scale = qz.fp8_quantize(rng.normal(size=(24, 48)).astype(np.float32))
-    got = dequantize(FP8Weight(jnp.asarray(data), jnp.asarray(scale)))
+    got = dequantize(FP8Weight.from_hf(data, scale))
     np.testing.assert_array_equal(f32_bits(got), f32_bits(dq.fp8_dequantize(data, scale)))
 
 
@@ -241,7 +244,7 @@ def test_read_linear_types_and_shapes(tmp_path, algo, fmt):
     assert isinstance(w, fmt) and w.shape == (32, 32)
     if algo == "NVFP4":
         assert (w.packed.dtype, w.packed.shape) == (jnp.uint8, (32, 16))
-        assert (w.block_scale.dtype, w.block_scale.shape) == (jnp.float8_e4m3fn, (32, 2))
+        assert (w.scale.dtype, w.scale.shape) == (jnp.float8_e4m3fn, (2, 32))  # transposed for the kernels
         assert (w.global_scale.dtype, w.global_scale.shape) == (jnp.float32, ())
     else:
         assert (w.data.dtype, w.data.shape, w.scale.dtype, w.scale.shape) == (jnp.float8_e4m3fn, (32, 32),

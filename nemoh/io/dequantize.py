@@ -1,6 +1,6 @@
 """The numpy reference dequantiser: a ModelOpt checkpoint -> the dense Hugging Face checkpoint nemoh runs.
 
-Written apart from the jnp `nemoh.quant.types.dequantize` (it is that function's oracle) and from the
+Written apart from the jnp `pallas_kernels.dequantize` (it is that function's oracle) and from the
 formulas of ../../../shared/reference/quant_formats.md only:
     NVFP4  W[o, k] = e2m1(code[o, k]) * float(weight_scale[o, k // 16]) * weight_scale_2
     FP8    W = float(weight) * weight_scale
@@ -23,7 +23,7 @@ from nemoh.errors import CheckpointError
 from nemoh.io.quantize import (DEFAULT_SHARD_BYTES, E2M1_VALUES, ShardWriter, new_output_dir, read_config,
                                write_side_files)
 from nemoh.io.tensor_source import TensorSource
-from nemoh.quant.types import NVFP4_BLOCK
+from pallas_kernels.formats import NVFP4_BLOCK
 
 OUTPUT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")

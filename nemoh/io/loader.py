@@ -31,10 +31,21 @@ IGNORED_PREFIXES = ("mtp.",)  # multi-token-prediction heads: not used for decod
 
 
 class _Reader:
-    """Reads the tensors of one checkpoint in the param dtype, with the quantisation spec applied."""
+    """Reads the tensors of one checkpoint in the param dtype, with the quantisation spec applied.
+
+    `build_params` asks a reader for tensors by HF name; nemoh.random_params passes one that draws them.
+    """
 
     def __init__(self, src: TensorSource, spec: QuantSpec | None, dtype):
         self.src, self.spec, self.dtype = src, spec, dtype
+
+    def has(self, name: str) -> bool:
+        return self.src.has(name)
+
+    def kv_scales(self, module_prefix: str) -> None:
+        # FP8 KV-cache scales (k_proj.k_scale / v_proj.v_scale) are checked, then left unused: nemoh keeps
+        # the KV pages in the model dtype, which is at least as precise as the FP8 cache they calibrate.
+        read_kv_scales(self.src, module_prefix)
 
     def vector(self, name: str, shape: tuple[int, ...], dtype=None) -> jax.Array:
         return jnp.asarray(self.src.get(name, shape=shape, dtypes=FLOAT_DTYPES), dtype or self.dtype)
@@ -53,7 +64,7 @@ def _mamba(r: _Reader, cfg: NemotronHConfig, pre: str) -> MambaParams:
     bias_name = f"{pre}.mixer.conv1d.bias"
     if cfg.use_conv_bias:
         bias = r.vector(bias_name, (C,))
-    elif r.src.has(bias_name):
+    elif r.has(bias_name):
         raise CheckpointError(f"tensor {bias_name} in {r.src.file_of(bias_name)}: present, but use_conv_bias is false")
     else:
         bias = None
@@ -72,9 +83,7 @@ def _mamba(r: _Reader, cfg: NemotronHConfig, pre: str) -> MambaParams:
 
 
 def _attention(r: _Reader, cfg: NemotronHConfig, pre: str) -> AttentionParams:
-    # FP8 KV-cache scales (k_proj.k_scale / v_proj.v_scale) are checked, then left unused: nemoh keeps
-    # the KV pages in the model dtype, which is at least as precise as the FP8 cache they calibrate.
-    read_kv_scales(r.src, f"{pre}.mixer")
+    r.kv_scales(f"{pre}.mixer")
     H, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return AttentionParams(
         norm=r.vector(f"{pre}.norm.weight", (H,)),
@@ -120,6 +129,28 @@ def _total_bytes(src: TensorSource) -> int:
     return sum((src.directory / f).stat().st_size for f in {src.file_of(n) for n in src.names()})
 
 
+def build_params(cfg: NemotronHConfig, reader, embed_key: str = EMBEDDING_KEYS[0], tied: bool | None = None,
+                 progress_desc: str | None = None) -> ModelParams:
+    """ModelParams of `cfg` from a reader that hands out tensors by HF name (has, vector, linear,
+    stacked_linear, kv_scales). tied: lm_head absent (default: cfg.tie_word_embeddings)."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    embed = reader.vector(embed_key, (V, H))
+    kinds = list(enumerate(cfg.layer_kinds))
+    if progress_desc:
+        from tqdm import tqdm
+
+        kinds = tqdm(kinds, desc=progress_desc, unit="layer")
+    layers = tuple(_BUILDERS[kind](reader, cfg, f"backbone.layers.{i}") for i, kind in kinds)
+    tied = cfg.tie_word_embeddings if tied is None else tied
+    return ModelParams(
+        config=cfg,
+        embed=embed,
+        norm_f=reader.vector("backbone.norm_f.weight", (H,)),
+        lm_head=None if tied else reader.linear("lm_head", V, H),
+        layers=layers,
+    )
+
+
 def load(path: str | Path, dtype=jnp.bfloat16, *, progress: bool | None = None) -> ModelParams:
     """Load a NemotronH checkpoint directory (config.json + model.safetensors or an index of shards).
 
@@ -132,33 +163,14 @@ def load(path: str | Path, dtype=jnp.bfloat16, *, progress: bool | None = None) 
     cfg = NemotronHConfig.from_json_file(path / "config.json")
     src = TensorSource(path)
     reader = _Reader(src, QuantSpec.from_dir(path), jnp.dtype(dtype))
-    H, V = cfg.hidden_size, cfg.vocab_size
 
     embed_key = next((k for k in EMBEDDING_KEYS if src.has(k)), None)
     if embed_key is None:
         raise CheckpointError(f"tensor {EMBEDDING_KEYS[0]} (or {EMBEDDING_KEYS[1]}) is missing from {path}")
-    embed = reader.vector(embed_key, (V, H))
-
     if progress is None:
         progress = _total_bytes(src) >= PROGRESS_MIN_BYTES
-    kinds = list(enumerate(cfg.layer_kinds))
-    if progress:
-        from tqdm import tqdm
-
-        kinds = tqdm(kinds, desc=f"loading {path.name}", unit="layer")
-    layers = tuple(_BUILDERS[kind](reader, cfg, f"backbone.layers.{i}") for i, kind in kinds)
-
-    if cfg.tie_word_embeddings and not src.has("lm_head.weight"):
-        lm_head = None
-    else:
-        lm_head = reader.linear("lm_head", V, H)
-    params = ModelParams(
-        config=cfg,
-        embed=embed,
-        norm_f=reader.vector("backbone.norm_f.weight", (H,)),
-        lm_head=lm_head,
-        layers=layers,
-    )
+    tied = cfg.tie_word_embeddings and not src.has("lm_head.weight")
+    params = build_params(cfg, reader, embed_key, tied, f"loading {path.name}" if progress else None)
     for name in src.unconsumed():
         if name.startswith(IGNORED_PREFIXES):
             src.mark_used(name)

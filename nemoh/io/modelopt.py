@@ -20,7 +20,7 @@ import numpy as np
 
 from nemoh.errors import CheckpointError
 from nemoh.io.tensor_source import TensorSource
-from nemoh.quant.types import NVFP4_BLOCK, FP8Weight, NVFP4Weight, Weight
+from pallas_kernels.formats import NVFP4_BLOCK, FP8Weight, NVFP4Weight, Weight
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 CONFIG = "config.json"
@@ -198,9 +198,8 @@ def _refuse_dense(src: TensorSource, module: str, algo: str, spec: QuantSpec) ->
 def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: tuple[int, int], dtype) -> Weight:
     """Load one linear module's weight, logical shape [out, in], in the format the config gives it.
 
-    Dense: a jnp array of `dtype` (stored F32/BF16/F16). FP8: FP8Weight(data fp8 [out, in], scale f32 ()).
-    NVFP4: NVFP4Weight(packed u8 [out, in/2], block_scale fp8 [out, in/16], global_scale f32 ()); `dtype`
-    is unused for quantised weights. An ".input_scale" is accepted and marked used, never loaded.
+    Dense: a jnp array of `dtype` (stored F32/BF16/F16). FP8 / NVFP4: FP8Weight / NVFP4Weight built
+    from the stored tensors (`from_hf`, in the kernels' layout); `dtype` is unused for quantised weights. An ".input_scale" is accepted and marked used, never loaded.
     """
     algo = spec.algo_for(module) if spec else None
     if algo is None:
@@ -209,7 +208,7 @@ def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: t
     out_dim, in_dim = shape
     if algo == "FP8":
         data = src.get(module + ".weight", shape=shape, dtypes=("F8_E4M3",))
-        weight = FP8Weight(jnp.asarray(data), _scalar(src, module + ".weight_scale"))
+        weight = FP8Weight.from_hf(data, _scalar(src, module + ".weight_scale"))
     else:
         if in_dim % NVFP4_BLOCK:
             raise CheckpointError(f"module {module}: NVFP4 needs the input dim divisible by {NVFP4_BLOCK}, "
@@ -219,7 +218,7 @@ def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: t
         if np.isnan(block.astype(np.float32)).any():
             name = module + ".weight_scale"
             raise CheckpointError(f"tensor {name} in {src.file_of(name)}: NaN block scale")
-        weight = NVFP4Weight(jnp.asarray(packed), jnp.asarray(block), _scalar(src, module + ".weight_scale_2"))
+        weight = NVFP4Weight.from_hf(packed, block, _scalar(src, module + ".weight_scale_2"))
     _mark_input_scale(src, module)
     return weight
 

@@ -35,8 +35,8 @@ from nemoh.config import ATTENTION, MAMBA, NemotronHConfig
 from nemoh.errors import CheckpointError
 from nemoh.io.modelopt import CONFIG, DENSE_DTYPES, HF_QUANT_CONFIG, matches_any
 from nemoh.io.tensor_source import INDEX_FILE, SINGLE_FILE, TensorSource
-from nemoh.quant.types import FP8_MAX as _FP8_MAX
-from nemoh.quant.types import NVFP4_BLOCK
+from pallas_kernels.formats import FP8_MAX as _FP8_MAX
+from pallas_kernels.formats import NVFP4_BLOCK
 
 FP8_MAX = np.float32(_FP8_MAX)
 E2M1_MAX = np.float32(6.0)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from nemoh.config import NemotronHConfig
 from nemoh.layers.context import TokenContext
-from nemoh.quant import Weight, linear
+from pallas_kernels import Weight, linear
 
 
 @jax.tree_util.register_dataclass

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from nemoh.config import NemotronHConfig
 from nemoh.layers.norms import gated_rms_norm
 from nemoh.layers.ssd import ssd_chunked, ssd_step
-from nemoh.quant import Weight, linear
+from pallas_kernels import Weight, linear
 
 
 @jax.tree_util.register_dataclass

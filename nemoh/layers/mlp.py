@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from nemoh.quant import Weight, linear
+from pallas_kernels import Weight, linear
 
 
 @jax.tree_util.register_dataclass

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from nemoh.config import NemotronHConfig
 from nemoh.layers.mlp import relu2, relu2_mlp
-from nemoh.quant import Weight, dequantize, linear
+from pallas_kernels import Weight, dequantize, linear, moe_experts
 
 # Token-expert pairs up to which the selected-experts kernel is used instead of grouped matmuls.
 SELECTED_EXPERTS_MAX_PAIRS = 256
@@ -86,8 +86,6 @@ def experts_grouped(x: jax.Array, idx: jax.Array, w: jax.Array, up: Weight, down
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, up: Weight, down: Weight) -> jax.Array:
     """Dispatch by the static number of token-expert pairs (see module docstring)."""
     if idx.size <= SELECTED_EXPERTS_MAX_PAIRS:
-        from pallas_kernels import moe_experts
-
         return moe_experts(x, idx, w, up, down)
     return experts_grouped(x, idx, w, up, down)
 

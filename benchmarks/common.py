@@ -1,0 +1,90 @@
+"""What the benchmarks share: the Nano config, timing, the HBM ceiling, byte counts, device memory."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from nemoh.config import ATTENTION, MAMBA, MOE, NemotronHConfig
+from pallas_kernels import is_quantized
+
+NANO_DIMS = Path(__file__).parent / "nano_dims.json"  # Nemotron-3 Nano config.json minus its layer layout
+NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # its 52 layers
+
+
+def nano_config(pattern: str = NANO_PATTERN, dims: Path = NANO_DIMS, **overrides) -> NemotronHConfig:
+    """Nemotron-3 Nano 30B-A3B's config (widths from `dims`) with the given layer pattern and overrides."""
+    dims = json.loads(Path(dims).read_text())
+    return NemotronHConfig.from_dict({**dims, "hybrid_override_pattern": pattern, **overrides})
+
+
+def wall_s(fn, reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of fn() (which must block until its device work is done)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def hbm_ceiling_gbs(elements: int = 1 << 30) -> float:
+    """Measured HBM bandwidth, GB/s: read + write of a 2 GiB bf16 array (median of 10 after warm-up)."""
+    x = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.5)
+    jax.block_until_ready(f(x))
+    s = statistics.median(wall_s(lambda: jax.block_until_ready(f(x)), 10))
+    return 2 * x.size * 2 / s / 1e9
+
+
+def nbytes(tree) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts `tokens` uniformly routed tokens select (top_k each)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def bytes_per_step(params, batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step must move at least, by kind: weights (routed experts counted for the
+    expected distinct experts of `batch` tokens), Mamba states (read + write), KV pages read (`context`
+    tokens per sequence) and written."""
+    cfg = params.config
+    weights = nbytes((params.norm_f, params.lm_head if params.lm_head is not None else params.embed))
+    weights += batch * cfg.hidden_size * params.embed.dtype.itemsize
+    states = kv = 0.0
+    for kind, layer in zip(cfg.layer_kinds, params.layers):
+        if kind == MOE:
+            experts = nbytes((layer.experts_up, layer.experts_down))
+            frac = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) / cfg.n_routed_experts
+            weights += nbytes(layer) - experts + frac * experts
+        else:
+            weights += nbytes(layer)
+        if kind == MAMBA:
+            ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * 4
+            conv = (cfg.conv_kernel - 1) * cfg.conv_dim * params.embed.dtype.itemsize
+            states += 2 * batch * (ssm + conv)
+        if kind == ATTENTION:
+            kv += 2 * batch * (context + 1) * cfg.num_key_value_heads * cfg.head_dim * params.embed.dtype.itemsize
+    return {"weights": weights, "states": states, "kv": kv, "total": weights + states + kv}
+
+
+def peak_memory_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def describe_layout(params) -> dict[str, int]:
+    """Count of projection weights by storage format (dense, FP8Weight, NVFP4Weight)."""
+    counts: dict[str, int] = {}
+    for leaf in jax.tree.leaves(params.layers, is_leaf=is_quantized):
+        name = type(leaf).__name__ if is_quantized(leaf) else "dense"
+        if name != "dense" or leaf.ndim >= 2:
+            counts[name] = counts.get(name, 0) + 1
+    return counts

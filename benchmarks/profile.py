@@ -1,0 +1,122 @@
+"""Per-layer-kind breakdown of a compiled program's GPU time, from a jax.profiler trace.
+
+Every layer's ops carry a named scope (nemoh.model.layer_scope: mamba, attention, moe, mlp) and the
+output projection carries "lm_head"; anything else in the decode step (embedding, sampling, carry
+bookkeeping, the loop itself) is "glue". A fused XLA kernel is named after its HLO instruction, and the
+compiled program's HLO text maps each instruction to its op_name, which holds the scope. Kernels that
+are not named after an instruction (the Mosaic GPU kernels, cuBLAS, copies) take the scope of the
+nearest named kernel before them on the same stream (their own launch's operand prep). Kernel time
+is summed per scope; the rest of the profiled wall time is launch gaps and host work.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import re
+import tempfile
+import time
+
+import jax
+
+SCOPES = ("mamba", "attention", "moe", "mlp", "lm_head")
+_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name="([^"]*)"')
+
+
+def _norm(name: str) -> str:
+    return name.replace(".", "_").replace("-", "_")
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """Normalised HLO instruction name -> scope, for every instruction with an op_name."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            parts = m.group(2).split("/")
+            out[_norm(m.group(1))] = next((p for p in parts if p in SCOPES), "glue")
+    return out
+
+
+def _gpu_kernel_events(xspace_path: str):
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(xspace_path)
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():
+                continue
+            for ev in line.events:
+                stats = dict(ev.stats)
+                yield ev.name, float(ev.duration_ns), float(ev.start_ns), stats.get("hlo_op"), line.name
+
+
+def profile_breakdown(run, hlo_text: str, steps: int) -> dict:
+    """Profile `run()` (which must block until done and run `steps` decode steps) and split its GPU
+    kernel time by scope. Returns per-scope kernel µs and launches per step, the top kernels, and the
+    profiled wall time per step."""
+    scopes = op_scopes(hlo_text)
+    with tempfile.TemporaryDirectory(prefix="nemoh-profile-") as tmp:
+        with jax.profiler.trace(tmp):
+            t0 = time.perf_counter()
+            run()
+            wall = time.perf_counter() - t0
+        paths = sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))
+        events = list(_gpu_kernel_events(paths[-1])) if paths else []
+    per_scope_us = collections.Counter()
+    per_scope_n = collections.Counter()
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    unmapped = 0
+    last_scope: dict[str, str] = {}
+    for name, dur, _, _, stream in sorted(events, key=lambda e: e[2]):
+        scope = scopes.get(_norm(name))
+        if scope is None:
+            unmapped += 1
+            scope = last_scope.get(stream, "glue")
+        else:
+            last_scope[stream] = scope
+        per_scope_us[scope] += dur / 1e3
+        per_scope_n[scope] += 1
+        k = per_kernel[(scope, name[:90])]
+        k[0] += dur / 1e3
+        k[1] += 1
+    span_us = 0.0
+    if events:
+        starts = [e[2] for e in events]
+        ends = [e[2] + e[1] for e in events]
+        span_us = (max(ends) - min(starts)) / 1e3
+    total_us = sum(per_scope_us.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:30]
+    return {
+        "steps": steps,
+        "kernels": len(events),
+        "kernels_per_step": len(events) / steps,
+        "kernels_scoped_by_neighbour": unmapped,
+        "kernel_us_per_step": total_us / steps,
+        "gpu_span_us_per_step": span_us / steps,
+        "profiled_wall_us_per_step": wall * 1e6 / steps,
+        "by_scope": {s: {"kernel_us_per_step": per_scope_us[s] / steps, "launches_per_step": per_scope_n[s] / steps}
+                     for s in sorted(per_scope_us, key=lambda s: -per_scope_us[s])},
+        "top_kernels": [{"scope": s, "kernel": n, "us_per_step": v[0] / steps, "launches_per_step": v[1] / steps}
+                        for (s, n), v in top],
+        "lines_seen": sorted({e[4] for e in events})[:10],
+    }
+
+
+def breakdown_table(b: dict, step_ms: float, layer_counts: dict[str, int]) -> str:
+    """Markdown rows: scope | layers | kernel µs per step | per layer | launches per step | share."""
+    rows = ["| kind | layers | kernel µs / step | µs / layer | launches / step | share of kernel time |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    total = b["kernel_us_per_step"] or 1.0
+    for scope, v in b["by_scope"].items():
+        n = layer_counts.get(scope, 0)
+        per_layer = f"{v['kernel_us_per_step'] / n:.1f}" if n else "-"
+        rows.append(f"| {scope} | {n or '-'} | {v['kernel_us_per_step']:.0f} | {per_layer} | "
+                    f"{v['launches_per_step']:.0f} | {100 * v['kernel_us_per_step'] / total:.0f}% |")
+    gaps = b["profiled_wall_us_per_step"] - b["kernel_us_per_step"]
+    rows.append(f"| (sum of kernels) | | {b['kernel_us_per_step']:.0f} | | {b['kernels_per_step']:.0f} | |")
+    rows.append(f"| (profiled wall - kernels: gaps, op-by-op) | | {gaps:.0f} | | | |")
+    rows.append(f"| (unprofiled step, for comparison) | | {1e3 * step_ms:.0f} | | | |")
+    return "\n".join(rows)

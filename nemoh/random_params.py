@@ -1,0 +1,108 @@
+"""random_params: a NemotronH model with random weights, built directly on the device.
+
+For benchmarks and tests at any size without a checkpoint: the same ModelParams the loader builds
+(`nemoh.io.loader.build_params` asks this module's reader instead of a safetensors file), in any of
+the quantiser's layouts, so the weights are packed exactly as a loaded ModelOpt checkpoint's are.
+
+Values are drawn so that activations stay O(1) through depth: dense and quantised projections have
+standard deviation 1/sqrt(in), Mamba dt lands in [1e-3, 1e-1], A in [-16, -1], norms are 1. Each
+tensor's values depend only on (seed, tensor name), never on the order of construction.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nemoh.config import NemotronHConfig
+from nemoh.io.loader import build_params
+from nemoh.io.quantize import ALGOS, plan_modules
+from nemoh.model import ModelParams
+from pallas_kernels.formats import E2M1_VALUES, NVFP4_BLOCK, FP8Weight, NVFP4Weight
+
+LAYOUTS = ("dense",) + ALGOS  # dense, or a quantiser recipe (NVFP4, FP8, MIXED, NANO_NVFP4, NANO_FP8)
+_E2M1_STD = float(np.sqrt(np.mean(E2M1_VALUES**2)))  # std of a uniformly random e2m1 code
+_BLOCK_SCALE_RANGE = (64.0, 448.0)  # random NVFP4 block scales, in fp8 e4m3 units
+_FP8_SPREAD = 64.0  # random FP8 codes have std _FP8_SPREAD (well inside +-448)
+
+
+class _RandomReader:
+    """The loader's reader interface (has, kv_scales, vector, linear, stacked_linear), drawing values."""
+
+    def __init__(self, cfg: NemotronHConfig, layout: str, dtype, seed: int):
+        self.cfg, self.layout, self.dtype = cfg, layout, jnp.dtype(dtype)
+        self.key = jax.random.PRNGKey(seed)
+
+    def _key(self, name: str) -> jax.Array:
+        return jax.random.fold_in(self.key, zlib.crc32(name.encode()))
+
+    def _format(self, module: str) -> str | None:
+        if self.layout == "dense":
+            return None
+        return plan_modules(self.layout, [module], self.cfg.layer_kinds)[module]
+
+    def has(self, name: str) -> bool:
+        return False
+
+    def kv_scales(self, module_prefix: str) -> None:
+        return None
+
+    def vector(self, name: str, shape: tuple[int, ...], dtype=None):
+        dtype = dtype or self.dtype
+        key = self._key(name)
+        leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]  # embeddings, norm, conv1d, gate, A_log, ...
+        if leaf in ("norm", "norm_f", "D"):
+            return jnp.ones(shape, dtype)
+        if leaf == "A_log":
+            return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+        if leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 1e-1]
+            dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, np.log(1e-3), np.log(1e-1)))
+            return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+        if leaf in ("e_score_correction_bias", "bias"):
+            scale = 0.01
+        elif leaf in ("conv1d", "gate"):  # [C, 1, K] conv taps, [E, H] router: unit-variance outputs
+            scale = 1.0 / np.sqrt(shape[-1])
+        else:  # embeddings
+            scale = 1.0
+        return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    def linear(self, module: str, out_dim: int, in_dim: int):
+        return self._weight(module, self._format(module), (), out_dim, in_dim)
+
+    def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
+        formats = {self._format(m) for m in modules}
+        if len(formats) != 1:
+            raise ValueError(f"experts {modules[0]}..: layout {self.layout} mixes formats {sorted(map(str, formats))}")
+        return self._weight(modules[0].rsplit(".", 2)[0] + ".stacked", formats.pop(), (len(modules),),
+                            out_dim, in_dim)
+
+    def _weight(self, module: str, fmt: str | None, lead: tuple[int, ...], out_dim: int, in_dim: int):
+        k1, k2 = jax.random.split(self._key(module))
+        std = 1.0 / np.sqrt(in_dim)
+        if fmt is None:  # drawn in the param dtype: no float32 copy of a whole expert stack
+            return jax.random.normal(k1, (*lead, out_dim, in_dim), self.dtype) * jnp.asarray(std, self.dtype)
+        if fmt == "FP8":
+            codes = jax.random.normal(k1, (*lead, out_dim, in_dim), jnp.bfloat16) * jnp.bfloat16(_FP8_SPREAD)
+            data = jnp.clip(codes, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+            return FP8Weight(data, jnp.full(lead, std / _FP8_SPREAD, jnp.float32))
+        packed = jax.random.bits(k1, (*lead, out_dim, in_dim // 2), jnp.uint8)
+        lo, hi = _BLOCK_SCALE_RANGE
+        block = jax.random.uniform(k2, (*lead, out_dim, in_dim // NVFP4_BLOCK), jnp.float32, lo, hi)
+        global_scale = std / (_E2M1_STD * np.sqrt((lo * lo + lo * hi + hi * hi) / 3))  # rms of the block scales
+        return NVFP4Weight.from_hf(packed, block.astype(jnp.float8_e4m3fn), jnp.full(lead, global_scale, jnp.float32))
+
+
+def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.bfloat16, seed: int = 0
+                  ) -> ModelParams:
+    """Random ModelParams for `config` on the default device.
+
+    layout: "dense" (every projection in `dtype`) or a quantiser recipe: "NANO_NVFP4" / "NANO_FP8" (the
+    official Nano selective layouts), "NVFP4" / "FP8" (every linear but lm_head), "MIXED" (routed experts
+    NVFP4, other projections FP8, attention and lm_head dense).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
+    return build_params(config, _RandomReader(config, layout, dtype, seed))

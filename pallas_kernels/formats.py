@@ -1,0 +1,222 @@
+"""Weight formats: FP8Weight and NVFP4Weight pytrees (a dense weight is a plain array).
+
+Each format class holds its tensors in the layout the kernels stream (set once, when the weight is built
+from a checkpoint's tensors with `from_hf`), converts back (`to_hf`), dequantises with plain jnp (the
+reference every kernel is checked against), and decodes one streamed tile in registers inside the
+kernel (`decode_tile`). Everything one format needs is in its class: adding a format touches this file.
+Logical shape [..., out, in] (leading dims stack experts), as in Hugging Face checkpoints.
+
+Formats (NVIDIA ModelOpt):
+  FP8    W[o, k] = float(e4m3 data[o, k]) * scale                      (per tensor, per expert when stacked)
+  NVFP4  W[o, k] = e2m1(code[o, k]) * float(e4m3 block_scale[o, k // 16]) * global_scale
+         HF stores two codes a byte, element 2j in the low nibble of byte j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+NVFP4_BLOCK = 16  # elements sharing one NVFP4 block scale
+FP8_MAX = 448.0
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       dtype=np.float32)
+_GROUP_BYTES = NVFP4_BLOCK // 2  # packed bytes per block scale
+# e2m1 code v -> the e4m3 byte ((v & 7) << 2) | ((v & 8) << 4), whose value is e2m1(v) * 2**-6 exactly
+# (e2m1's exponent and mantissa bits land in e4m3's low exponent and top mantissa bits; e2m1 zero and
+# subnormals map to e4m3 zero and subnormals). Hardware then converts e4m3 pairs to float16 pairs.
+E2M1_UNIT = 2.0**-6
+
+
+def e2m1_pair_to_f16(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 [...] of two e2m1 codes -> (low-nibble, high-nibble) values times E2M1_UNIT, exact float16.
+
+    16-bit integer ops (Mosaic GPU refuses arithmetic on 8-bit registers), a bitcast to e4m3 and
+    e4m3 -> float16 (one hardware conversion per pair on the GPU): the same code runs on arrays and on
+    Mosaic GPU registers (fp4 conversions are Blackwell-only)."""
+    p = packed.astype(jnp.uint16)
+    lo = ((p << 2) & 0x1C) | ((p << 4) & 0x80)
+    hi = ((p >> 2) & 0x1C) | (p & 0x80)
+    as_f16 = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float16)
+    return as_f16(lo), as_f16(hi)
+
+
+def _e2m1_pair_to_f16_ptx(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """e2m1_pair_to_f16 on Mosaic GPU registers in hand-written PTX: four codes a 32-bit op (two registers
+    of the WGMMA layout at a time), then cvt.rn.f16x2.e4m3x2. GPU only (the interpreter has no PTX)."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    first = {"lo": ("shl.b32 %nv_a, $1, 2;", "shl.b32 %nv_b, $1, 4;"), "hi": ("shr.b32 %nv_a, $1, 2;", "mov.b32 %nv_b, $1;")}
+    ptx = {k: "\n".join(["{", ".reg .b32 %nv_a, %nv_b, %nv_r0, %nv_r1;", ".reg .b16 %nv_h0, %nv_h1;", sa,
+                         "and.b32 %nv_a, %nv_a, 0x1C1C1C1C;", sb, "and.b32 %nv_b, %nv_b, 0x80808080;",
+                         "or.b32 %nv_a, %nv_a, %nv_b;", "mov.b32 {%nv_h0, %nv_h1}, %nv_a;",
+                         "cvt.rn.f16x2.e4m3x2 %nv_r0, %nv_h0;", "cvt.rn.f16x2.e4m3x2 %nv_r1, %nv_h1;",
+                         "mov.b64 $0, {%nv_r0, %nv_r1};", "}"])
+           for k, (sa, sb) in first.items()}
+    out_ty = plgpu.ShapeDtypeStruct(codes.shape, jnp.float16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out_ty, out_ty))
+    def decode(_, c):
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        f16x4 = ir.VectorType.get((4,), ir.F16Type.get())
+        regs = list(c.registers.flat)
+        if len(regs) % 2:
+            raise ValueError(f"PTX e2m1 decode pairs registers: got {len(regs)} for shape {c.shape}")
+        outs = {k: [] for k in ptx}
+        for i in range(0, len(regs), 2):
+            pair = mgpu.utils.vector_concat(regs[i:i + 2])  # vector<4xi8>
+            word = mgpu.utils.bitcast(pair, i32)
+            for k, asm in ptx.items():
+                res = mgpu.utils.bitcast(llvm.inline_asm(i64, [word], asm, "=l,r"), f16x4)
+                outs[k] += [mgpu.utils.vector_slice(res, slice(0, 2)), mgpu.utils.vector_slice(res, slice(2, 4))]
+        def array(registers):
+            grid = np.empty(len(registers), dtype=object)
+            grid[:] = registers
+            return mgpu.FragmentedArray(_registers=grid.reshape(c.registers.shape), _layout=c.layout,
+                                        _is_signed=None)
+
+        return array(outs["lo"]), array(outs["hi"])
+
+    return decode(codes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8Weight:
+    """Per-tensor FP8 (e4m3fn) weight: W = float(data) * scale.
+
+    data: float8_e4m3fn [..., out, in] (streamed as is); scale: float32 [...].
+    """
+
+    data: jax.Array
+    scale: jax.Array
+
+    K_PER_ELEMENT: ClassVar[int] = 1  # logical K elements per streamed weight element
+    BYTES_PER_SCALE_ROW: ClassVar[int | None] = None  # streamed weight bytes per block-scale row (none)
+
+    @classmethod
+    def from_hf(cls, data, scale) -> "FP8Weight":
+        """From ModelOpt tensors: weight float8_e4m3fn [..., out, in], weight_scale float32 [...]."""
+        return cls(jnp.asarray(data), jnp.asarray(scale, jnp.float32))
+
+    def to_hf(self) -> dict[str, jax.Array]:
+        return {"weight": self.data, "weight_scale": self.scale}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.data.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None, None]).astype(dtype)
+
+    def stream(self) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """(weight [..., out, in], block scales or None, per-tensor output scale [...])."""
+        return self.data, None, self.scale
+
+    @staticmethod
+    def decode_tile(codes: jax.Array, scale_rows: list[jax.Array], ptx: bool) -> jax.Array:
+        """codes [64, tk] e4m3 -> exact float16 [64, tk] MMA operand (one hardware conversion a pair)."""
+        return codes.astype(jnp.float16)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Weight:
+    """NVFP4 weight in kernel layout.
+
+    packed: uint8 [..., out, in/2], group-split nibbles: in each block of 16 elements (8 bytes), byte j
+      holds element j in its low nibble and element 8 + j in its high nibble, so a tile's low and high
+      nibbles decode to contiguous 8-column chunks of W (no interleaving of the activations is needed).
+    scale: float8_e4m3fn [..., in/16, out], the block scales transposed, so the scales of a K step are a
+      contiguous box the TMA engine streams with the codes.
+    global_scale: float32 [...].
+    """
+
+    packed: jax.Array
+    scale: jax.Array
+    global_scale: jax.Array
+
+    K_PER_ELEMENT: ClassVar[int] = 2
+    BYTES_PER_SCALE_ROW: ClassVar[int | None] = _GROUP_BYTES
+
+    @classmethod
+    def from_hf(cls, packed, block_scale, global_scale) -> "NVFP4Weight":
+        """From ModelOpt tensors: weight uint8 [..., out, in/2] (element 2j low nibble of byte j),
+        weight_scale float8_e4m3fn [..., out, in/16], weight_scale_2 float32 [...]."""
+        packed = _regroup_nibbles(jnp.asarray(packed), to_kernel=True)
+        return cls(packed, jnp.swapaxes(jnp.asarray(block_scale), -1, -2), jnp.asarray(global_scale, jnp.float32))
+
+    def to_hf(self) -> dict[str, jax.Array]:
+        return {"weight": _regroup_nibbles(self.packed, to_kernel=False),
+                "weight_scale": jnp.swapaxes(self.scale, -1, -2), "weight_scale_2": self.global_scale}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, out, half = self.packed.shape
+        return (*lead, out, 2 * half)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        *lead, out, half = self.packed.shape
+        lo, hi = e2m1_pair_to_f16(self.packed.reshape(*lead, out, half // _GROUP_BYTES, _GROUP_BYTES))
+        values = jnp.concatenate([lo, hi], axis=-1).astype(jnp.float32) / E2M1_UNIT  # [..., out, groups, 16]
+        scales = jnp.swapaxes(self.scale, -1, -2).astype(jnp.float32)[..., None]
+        glob = self.global_scale.astype(jnp.float32)[..., None, None, None]
+        return (values * scales * glob).reshape(*lead, out, 2 * half).astype(dtype)
+
+    def stream(self) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        return self.packed, self.scale, self.global_scale
+
+    @staticmethod
+    def decode_tile(codes: jax.Array, scale_rows: list[jax.Array], ptx: bool) -> jax.Array:
+        """codes [64, 8g] uint8 (g blocks), scale_rows: g per-row float16 block scales [64] -> exact
+        float16 [64, 16g] MMA operand. ptx: decode in hand-written PTX (GPU only).
+
+        Block c's low nibbles are W columns 16c..16c+7 and its high nibbles 16c+8..16c+15; concatenating
+        8-column chunks keeps Mosaic's register layout (8 columns is one WGMMA layout tile)."""
+        lo, hi = (_e2m1_pair_to_f16_ptx if ptx else e2m1_pair_to_f16)(codes)
+        rows = codes.shape[0]
+        chunks = []
+        for c, s in enumerate(scale_rows):
+            s = lax.broadcast_in_dim(s * jnp.float16(1 / E2M1_UNIT), (rows, _GROUP_BYTES), (0,))
+            cols = slice(c * _GROUP_BYTES, (c + 1) * _GROUP_BYTES)
+            chunks += [lo[:, cols] * s, hi[:, cols] * s]
+        return jnp.concatenate(chunks, axis=1)
+
+
+def _regroup_nibbles(packed: jax.Array, to_kernel: bool) -> jax.Array:
+    """Convert packed codes between the HF nibble order (element 2j, 2j+1 in byte j) and the kernel's
+    group-split order (elements j, 8 + j of each 16-element block in byte j of the block)."""
+    *lead, out, half = packed.shape
+    if half % _GROUP_BYTES:
+        raise ValueError(f"NVFP4 weight with {2 * half} input columns: must be a multiple of {NVFP4_BLOCK}")
+    blocks = packed.reshape(*lead, out, half // _GROUP_BYTES, _GROUP_BYTES)
+    lo, hi = blocks & 0xF, blocks >> 4
+    if to_kernel:  # HF elements: e[2j] = lo[j], e[2j+1] = hi[j]; kernel byte j = e[j] | e[8 + j] << 4
+        elems = jnp.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], NVFP4_BLOCK)
+        new_lo, new_hi = elems[..., :_GROUP_BYTES], elems[..., _GROUP_BYTES:]
+    else:  # kernel elements: e[j] = lo[j], e[8 + j] = hi[j]; HF byte j = e[2j] | e[2j+1] << 4
+        elems = jnp.concatenate([lo, hi], axis=-1)
+        new_lo, new_hi = elems[..., 0::2], elems[..., 1::2]
+    return (new_lo | (new_hi << 4)).astype(jnp.uint8).reshape(packed.shape)
+
+
+QuantizedWeight = Union[FP8Weight, NVFP4Weight]
+Weight = Union[jax.Array, FP8Weight, NVFP4Weight]
+FORMATS = (FP8Weight, NVFP4Weight)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, FORMATS)
+
+
+def dequantize(w: Weight, dtype=jnp.float32) -> jax.Array:
+    """Reference dequantisation of any weight to a dense [..., out, in] array of `dtype`."""
+    return w.dequantize(dtype) if is_quantized(w) else jnp.asarray(w).astype(dtype)
