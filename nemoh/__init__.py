@@ -7,8 +7,9 @@ from nemoh.io.loader import load
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.generate import generate
 from nemoh.model import ModelParams, forward, register_mixer
+from nemoh.random_params import random_params
 
 __all__ = [
-    "NemotronHConfig", "ModelParams", "CacheSpec", "load", "forward", "generate", "register_mixer",
+    "NemotronHConfig", "ModelParams", "CacheSpec", "load", "random_params", "forward", "generate", "register_mixer",
     "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "StaleCarryError",
 ]

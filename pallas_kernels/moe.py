@@ -1,11 +1,13 @@
 """moe_experts: the routed-experts computation of a NemotronH MoE layer, reading only selected experts.
 
 Token-expert pairs are grouped by expert into blocks of `tm` rows (XLA, tiny; a single token gets one
-block per expert without the sort); each kernel CTA indexes
-its block's expert from the block->expert table, so only the selected experts' weight tiles are ever
-fetched (no gather of all experts, no dense pass over E as jax.lax.ragged_dot does). Two kernel
-launches (up, down) with relu^2 and the weighted combine in XLA between and after. The hidden
-activation relu(up x)^2 enters the down projection in x.dtype, as in the reference model.
+block per expert without the sort); each kernel CTA indexes its block's expert from the block->expert
+table, so only the selected experts' weights are ever fetched, in their stored (packed) form: no
+gather of all experts, no dequantised copy, no dense pass over E as jax.lax.ragged_dot does. Decode
+uses 8-row blocks; prefill, with many tokens per expert, blocks of up to 64 rows, so an expert's
+weights are streamed once per 64 of its tokens. Two kernel launches (up, down) with relu^2 and the
+weighted combine in XLA between and after. The hidden activation relu(up x)^2 enters the down
+projection in x.dtype, as in the reference model.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from pallas_kernels._backend import resolve_impl
 from pallas_kernels._blocked import Tiling, blocked_linear
 from pallas_kernels.formats import Weight
 
-MOE_BLOCK_ROWS = 8
+MOE_BLOCK_ROWS = 8  # decode: a token's k experts each get a block
+MAX_BLOCK_ROWS = 64
+
+
+def block_rows_for(pairs: int, num_experts: int) -> int:
+    """Rows per expert block: the expected pairs per expert rounded up to a power of two, in [8, 64]."""
+    tm = MOE_BLOCK_ROWS
+    while tm < MAX_BLOCK_ROWS and tm * num_experts < pairs:
+        tm *= 2
+    return tm
 
 
 def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS):
@@ -64,12 +75,14 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, impl=
         return reference.moe_experts(x, expert_idx, expert_weight, up, down)
     t, k = expert_idx.shape
     if t == 1:
-        slot_pair, block_expert = pair_blocks(expert_idx)
+        tm = MOE_BLOCK_ROWS
+        slot_pair, block_expert = pair_blocks(expert_idx, tm)
     else:
-        slot_pair, block_expert = route_blocks(expert_idx, up.shape[0])
+        tm = block_rows_for(expert_idx.size, up.shape[0])
+        slot_pair, block_expert = route_blocks(expert_idx, up.shape[0], tm)
     slot_token = slot_pair // k  # T for empty slots: the zero row appended below
     xb = jnp.concatenate([x, jnp.zeros_like(x[:1])])[slot_token]
-    xb = xb.reshape(-1, MOE_BLOCK_ROWS, x.shape[1])
+    xb = xb.reshape(-1, tm, x.shape[1])
     h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling), 0.0)).astype(x.dtype)
     o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
     w = jnp.concatenate([expert_weight.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])

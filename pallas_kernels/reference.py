@@ -20,17 +20,34 @@ def linear(x, w: Weight):
     return y.astype(x.dtype)
 
 
-def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight):
-    """Routed experts: gathers each token's k experts (dequantised, f32) and contracts in f32.
+GATHER_MAX_PAIRS = 256  # up to this many token-expert pairs the reference gathers each pair's expert
 
-    x [T, H], expert_idx int32 [T, k], expert_weight f32 [T, k], up [E, F, H], down [E, H, F].
-    """
-    take = lambda w: jax.tree.map(lambda a: a[expert_idx], w)
-    hi = jax.lax.Precision.HIGHEST
-    up_sel = dequantize(take(up), jnp.float32)      # [T, k, F, H]
-    down_sel = dequantize(take(down), jnp.float32)  # [T, k, H, F]
-    h = jnp.einsum("tkfh,th->tkf", up_sel, x.astype(jnp.float32), precision=hi)
-    h = jnp.square(jnp.maximum(h, 0.0))
-    o = jnp.einsum("tkhf,tkf->tkh", down_sel, h, precision=hi)
-    y = jnp.einsum("tk,tkh->th", expert_weight.astype(jnp.float32), o, precision=hi)
-    return y.astype(x.dtype)
+
+def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight):
+    """Routed experts in fp32: x [T, H], expert_idx int32 [T, k], expert_weight f32 [T, k], up [E, F, H],
+    down [E, H, F] -> [T, H] in x.dtype.
+
+    Few pairs (decode): each token's k experts are gathered and dequantised. Many pairs (prefill): the
+    pairs are sorted by expert and two ragged_dots run over the dequantised experts (a gather would hold
+    a dequantised expert copy per pair)."""
+    if expert_idx.size <= GATHER_MAX_PAIRS:
+        take = lambda w: jax.tree.map(lambda a: a[expert_idx], w)
+        hi = jax.lax.Precision.HIGHEST
+        up_sel = dequantize(take(up), jnp.float32)      # [T, k, F, H]
+        down_sel = dequantize(take(down), jnp.float32)  # [T, k, H, F]
+        h = jnp.einsum("tkfh,th->tkf", up_sel, x.astype(jnp.float32), precision=hi)
+        h = jnp.square(jnp.maximum(h, 0.0))
+        o = jnp.einsum("tkhf,tkf->tkh", down_sel, h, precision=hi)
+        y = jnp.einsum("tk,tkh->th", expert_weight.astype(jnp.float32), o, precision=hi)
+        return y.astype(x.dtype)
+    T, k = expert_idx.shape
+    flat = expert_idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=up.shape[0]).astype(jnp.int32)
+    dot = lambda lhs, w: jax.lax.ragged_dot(lhs, jnp.swapaxes(dequantize(w, jnp.float32), 1, 2), sizes,
+                                            precision=jax.lax.Precision.HIGHEST,
+                                            preferred_element_type=jnp.float32)
+    h = jnp.square(jnp.maximum(dot(x.astype(jnp.float32)[token], up), 0.0))
+    o = dot(h, down) * expert_weight.reshape(-1).astype(jnp.float32)[order][:, None]
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(o).astype(x.dtype)

@@ -9,7 +9,7 @@ import pytest
 import nemoh
 from nemoh import oracle
 
-LENGTHS = (1, 3, 37, 150)  # 3 < conv_kernel; 37 not divisible by chunk_size; 150 takes the ragged MoE path
+LENGTHS = (1, 3, 37, 150)  # 3 < conv_kernel; 37 not divisible by chunk_size; 150 takes the grouped MoE path
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +27,23 @@ def references(tiny_checkpoints):
     return {n: (prompts[n], out[i], out[k + i]) for i, n in enumerate(tiny_checkpoints)}
 
 
-def test_grouped_moe_path_is_exercised():
-    from nemoh.layers.moe import SELECTED_EXPERTS_MAX_PAIRS
+def test_long_prompt_takes_the_grouped_expert_path(tiny_checkpoints, monkeypatch):
+    """The longest prompt has more token-expert pairs than the gathering reference takes, so on CPU the
+    oracle comparisons below cover the sorted ragged_dot path too: observe it being traced."""
+    import jax
+    from pallas_kernels import reference
 
-    assert max(LENGTHS) * 2 > SELECTED_EXPERTS_MAX_PAIRS  # the longest prompt uses ragged_dot
+    calls = []
+    real = jax.lax.ragged_dot
+    monkeypatch.setattr(jax.lax, "ragged_dot", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    params = nemoh.load(tiny_checkpoints["all_kinds"], dtype=jnp.float32)
+    jax.clear_caches()
+    nemoh.forward(params, np.arange(LENGTHS[-1]) % params.config.vocab_size)
+    k = params.config.num_experts_per_tok
+    assert LENGTHS[-1] * k > reference.GATHER_MAX_PAIRS and (LENGTHS[-1] * k, params.config.hidden_size) in calls
+    calls.clear()
+    nemoh.forward(params, np.arange(LENGTHS[1]))
+    assert calls == []  # a short prompt gathers instead
 
 
 @pytest.mark.parametrize("name", ["all_kinds", "grouped_routing", "latent_moe", "dense"])

@@ -212,6 +212,29 @@ def test_kernels_lower_for_the_gpu(fmt):
     for rows in (1, 40):
         x = _x(rng, (rows, 2688), jnp.bfloat16)
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(x, w)
-    idx, weight = jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), jnp.float32)
-    export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas")), platforms=["cuda"])(
-        _x(rng, (1, 2688), jnp.bfloat16), idx, weight, up, down)
+    for tokens in (1, 100):  # decode blocks of 8 rows, prefill blocks of 64
+        idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
+        export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas")), platforms=["cuda"])(
+            _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "dense"])
+def test_moe_experts_prefill_blocks(fmt):
+    """Many tokens (prefill): 64-row expert blocks in the kernel, and the sorted ragged_dot reference."""
+    from pallas_kernels.moe import block_rows_for
+    from pallas_kernels.reference import GATHER_MAX_PAIRS
+
+    rng = _rng(7)
+    tokens = 100
+    idx = np.stack([rng.permutation(E)[:TOPK] for _ in range(tokens)]).astype(np.int32)
+    x = _x(rng, (tokens, H), jnp.bfloat16)
+    weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, TOPK)).astype(np.float32))
+    up, down = WEIGHTS[fmt](rng, (E,), F, H), WEIGHTS[fmt](rng, (E,), H, F)
+    assert idx.size > GATHER_MAX_PAIRS and block_rows_for(idx.size, E) == 64
+    up64, down64, x64 = _f64(dequantize(up)), _f64(dequantize(down)), _f64(x)
+    ref = np.zeros((tokens, H))
+    for t in range(tokens):
+        for j, e in enumerate(idx[t]):
+            ref[t] += float(weight[t, j]) * (down64[e] @ np.square(np.maximum(up64[e] @ x64[t], 0.0)))
+    _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl=IMPL), ref, 8e-3, f"moe prefill {fmt} vs f64")
+    _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl="xla"), ref, 5e-3, f"moe prefill xla {fmt}")

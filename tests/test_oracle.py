@@ -35,7 +35,7 @@ def kinds_of(cfg: dict) -> list[str]:
 
 def expected_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
     """name -> shape of every tensor in an HF-layout NemotronH checkpoint of `cfg`
-    (docs: shared/reference/nemotron_h.md, "Checkpoint keys")."""
+    (the layout transformers' save_pretrained writes)."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     out = {"backbone.embeddings.weight": (V, H), "backbone.norm_f.weight": (H,), "lm_head.weight": (V, H)}
     for i, kind in enumerate(kinds_of(cfg)):

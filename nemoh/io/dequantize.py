@@ -1,7 +1,7 @@
 """The numpy reference dequantiser: a ModelOpt checkpoint -> the dense Hugging Face checkpoint nemoh runs.
 
-Written apart from the jnp `pallas_kernels.dequantize` (it is that function's oracle) and from the
-formulas of ../../../shared/reference/quant_formats.md only:
+Written apart from the jnp `pallas_kernels.dequantize` (it is that function's oracle), from the
+ModelOpt formulas only:
     NVFP4  W[o, k] = e2m1(code[o, k]) * float(weight_scale[o, k // 16]) * weight_scale_2
     FP8    W = float(weight) * weight_scale
 A module is dequantised when it has a ".weight_scale"; its format is told by the ".weight" dtype (U8 NVFP4,

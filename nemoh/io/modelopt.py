@@ -1,6 +1,6 @@
 """Read NVIDIA ModelOpt quantised checkpoints: the quantisation config (QuantSpec) and each linear's tensors.
 
-Formats: ../../../shared/reference/quant_formats.md. The config comes from hf_quant_config.json
+Formats: pallas_kernels.formats. The config comes from hf_quant_config.json
 ({"quantization": {...}}) when present, else from config.json "quantization_config" (quant_method
 "modelopt"); when both exist their quant_algo must agree and hf_quant_config.json's lists are used.
 Every tensor is checked against what the config says the module is, so a checkpoint whose tensors and

@@ -1,6 +1,6 @@
 """Quantise a dense Hugging Face NemotronH checkpoint into a ModelOpt-format (NVFP4 / FP8) checkpoint.
 
-The tensor formats are those of ../../../shared/reference/quant_formats.md, with the arithmetic of
+The tensor formats are those of pallas_kernels.formats (NVIDIA ModelOpt), with the arithmetic of
 ModelOpt's weight export (fp32 throughout), so a weight quantised here has the bytes ModelOpt would write:
 
     NVFP4  weight_scale_2 = amax(|W|) / (6*448)                          float32 scalar

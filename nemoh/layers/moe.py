@@ -1,9 +1,8 @@
 """Mixture of experts: sigmoid router (fp32, correction bias for selection only, grouped top-k),
 relu^2 experts, an unscaled shared expert, and optional latent projections around the routed path.
 
-Routed experts run through one of two paths chosen by the (static) number of token-expert pairs:
-few pairs (decode) use pallas_kernels.moe_experts, which reads only the selected experts' weights;
-many pairs (prefill) sort the pairs by expert and run jax.lax.ragged_dot, which is compute-bound there.
+Routed experts run through pallas_kernels.moe_experts for any number of tokens: on the GPU it reads
+only the selected experts' weights, in their stored (packed) form, for decode and prefill alike.
 """
 
 from __future__ import annotations
@@ -14,11 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from nemoh.config import NemotronHConfig
-from nemoh.layers.mlp import relu2, relu2_mlp
-from pallas_kernels import Weight, dequantize, linear, moe_experts
-
-# Token-expert pairs up to which the selected-experts kernel is used instead of grouped matmuls.
-SELECTED_EXPERTS_MAX_PAIRS = 256
+from nemoh.layers.mlp import relu2_mlp
+from pallas_kernels import Weight, linear, moe_experts
 
 
 @jax.tree_util.register_dataclass
@@ -63,40 +59,13 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: NemotronHConfig
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def experts_grouped(x: jax.Array, idx: jax.Array, w: jax.Array, up: Weight, down: Weight) -> jax.Array:
-    """Routed experts for many tokens: sort (token, expert) pairs by expert, two ragged_dots.
-
-    x [T, L]; idx, w [T, k]; up [E, F, L]; down [E, L, F] -> [T, L] in x.dtype. Quantised experts are
-    dequantised to x.dtype for the grouped matmul (prefill is compute-bound; the weights are transient).
-    """
-    T, k = idx.shape
-    E = up.shape[0]
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    up_t = jnp.swapaxes(dequantize(up, x.dtype), 1, 2)  # [E, L, F]
-    down_t = jnp.swapaxes(dequantize(down, x.dtype), 1, 2)  # [E, F, L]
-    h = jax.lax.ragged_dot(x[token], up_t, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-    o = jax.lax.ragged_dot(relu2(h), down_t, sizes, preferred_element_type=jnp.float32)
-    o = o * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(o).astype(x.dtype)
-
-
-def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, up: Weight, down: Weight) -> jax.Array:
-    """Dispatch by the static number of token-expert pairs (see module docstring)."""
-    if idx.size <= SELECTED_EXPERTS_MAX_PAIRS:
-        return moe_experts(x, idx, w, up, down)
-    return experts_grouped(x, idx, w, up, down)
-
-
 def moe_mixer(p: MoEParams, h: jax.Array, cfg: NemotronHConfig) -> jax.Array:
     """h [..., H] (normed) -> [..., H]."""
     lead = h.shape[:-1]
     x = h.reshape(-1, h.shape[-1])
     idx, w = route(x, p.router, p.router_bias, cfg)
     xr = x if p.latent_in is None else linear(x, p.latent_in)
-    routed = routed_experts(xr, idx, w, p.experts_up, p.experts_down)
+    routed = moe_experts(xr, idx, w, p.experts_up, p.experts_down)
     if p.latent_out is not None:
         routed = linear(routed, p.latent_out)
     out = routed if p.shared_up is None else routed + relu2_mlp(p.shared_up, p.shared_down, x)

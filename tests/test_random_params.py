@@ -1,0 +1,92 @@
+"""nemoh.random_params: the loader's params structure in every quantiser layout, finite O(1) outputs,
+deterministic per tensor name; and pallas_kernels stays a leaf package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nemoh
+from nemoh.config import NemotronHConfig
+from nemoh.io.quantize import plan_modules
+from nemoh.random_params import LAYOUTS
+from pallas_kernels import FP8Weight, NVFP4Weight, is_quantized
+
+CFG = NemotronHConfig.from_dict(dict(
+    vocab_size=96, hidden_size=64, hybrid_override_pattern="MEM*E-M", mamba_num_heads=4, mamba_head_dim=16,
+    ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.0, eos_token_id=2))
+
+
+def _formats(params) -> dict[str, str]:
+    """module name -> storage format of each projection of the params (loader naming)."""
+    out = {"lm_head": type(params.lm_head).__name__}
+    for i, layer in enumerate(params.layers):
+        for field in ("in_proj", "out_proj", "q_proj", "o_proj", "up_proj", "experts_up", "shared_up"):
+            if hasattr(layer, field):
+                out[f"backbone.layers.{i}.mixer.{field}"] = type(getattr(layer, field)).__name__
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_match_the_quantiser_plan(layout):
+    params = nemoh.random_params(CFG, layout, dtype=jnp.float32, seed=3)
+    loaded_like = jax.tree.structure(nemoh.random_params(CFG, "dense", dtype=jnp.float32))
+    if layout == "dense":
+        assert jax.tree.structure(params) == loaded_like
+    names = {"backbone.layers.1.mixer.experts.0.up_proj": "backbone.layers.1.mixer.experts_up",
+             "backbone.layers.1.mixer.shared_experts.up_proj": "backbone.layers.1.mixer.shared_up",
+             "backbone.layers.0.mixer.in_proj": "backbone.layers.0.mixer.in_proj",
+             "backbone.layers.2.mixer.in_proj": "backbone.layers.2.mixer.in_proj",
+             "backbone.layers.3.mixer.q_proj": "backbone.layers.3.mixer.q_proj", "lm_head": "lm_head"}
+    want = {} if layout == "dense" else plan_modules(layout, list(names), CFG.layer_kinds)
+    got = _formats(params)
+    kind = {None: "ArrayImpl", "FP8": "FP8Weight", "NVFP4": "NVFP4Weight"}
+    for module, field in names.items():
+        assert got[field] == kind[want.get(module)], (module, got[field], want.get(module))
+
+
+@pytest.mark.parametrize("layout", ["dense", "MIXED"])  # MIXED holds dense, FP8 and NVFP4 projections
+def test_random_model_runs_with_unit_scale_outputs(layout):
+    params = nemoh.random_params(CFG, layout, dtype=jnp.float32, seed=3)
+    logits = nemoh.forward(params, [[1, 2, 3, 4, 5]])
+    assert bool(jnp.isfinite(logits).all())
+    assert 0.3 < float(jnp.std(logits)) < 3.0  # activations stay O(1) through depth
+
+
+def test_values_depend_on_seed_and_name_only():
+    a = nemoh.random_params(CFG, "NANO_NVFP4", dtype=jnp.float32, seed=1)
+    b = nemoh.random_params(CFG, "NANO_NVFP4", dtype=jnp.float32, seed=1)
+    c = nemoh.random_params(CFG, "NANO_NVFP4", dtype=jnp.float32, seed=2)
+    same = jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)
+    assert all(jax.tree.leaves(same))
+    assert not np.array_equal(np.asarray(a.embed), np.asarray(c.embed))
+    w = a.layers[1].experts_up
+    assert isinstance(w, NVFP4Weight) and w.shape == (4, 32, 64)
+    assert not np.array_equal(np.asarray(w.packed[0]), np.asarray(w.packed[1]))  # experts differ
+
+
+def test_fp8_layout_scales_are_per_expert():
+    p = nemoh.random_params(CFG, "FP8", dtype=jnp.bfloat16)
+    w = p.layers[1].experts_up
+    assert isinstance(w, FP8Weight) and w.scale.shape == (4,) and w.data.dtype == jnp.float8_e4m3fn
+    assert not is_quantized(p.lm_head) and p.lm_head.dtype == jnp.bfloat16
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="layout 'NVFP8'"):
+        nemoh.random_params(CFG, "NVFP8")
+
+
+def test_pallas_kernels_imports_no_nemoh():
+    code = "import sys, pallas_kernels; print(sorted(m for m in sys.modules if m.split('.')[0] == 'nemoh'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[1])
+    assert out.stdout.strip() == "[]"
