@@ -1,5 +1,6 @@
 """nemoh: JAX/XLA inference for NVIDIA NemotronH hybrid models (Mamba2 + attention + MoE)."""
 
+from nemoh.compile_cache import enable_default_cache, set_compilation_cache
 from nemoh.config import NemotronHConfig
 from nemoh.errors import (CacheCapacityError, CheckpointError, ConfigError, NemohError, RequestError,
                           StaleCarryError)
@@ -9,7 +10,10 @@ from nemoh.generate import generate
 from nemoh.model import ModelParams, forward, register_mixer
 from nemoh.random_params import random_params
 
+enable_default_cache()
+
 __all__ = [
+    "set_compilation_cache",
     "NemotronHConfig", "ModelParams", "CacheSpec", "load", "random_params", "forward", "generate", "register_mixer",
     "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "StaleCarryError",
 ]

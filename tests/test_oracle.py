@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 import nemoh.oracle as oracle
+from nemoh.config import NemotronHConfig
+from nemoh.io.layout import hf_layout
 from nemoh.io.tensor_source import TensorSource
 from oracle_configs import CONFIGS, layout_spelling
 
@@ -33,43 +35,12 @@ def kinds_of(cfg: dict) -> list[str]:
     return list(cfg["layers_block_type"])
 
 
-def expected_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """name -> shape of every tensor in an HF-layout NemotronH checkpoint of `cfg`
-    (the layout transformers' save_pretrained writes)."""
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
-    out = {"backbone.embeddings.weight": (V, H), "backbone.norm_f.weight": (H,), "lm_head.weight": (V, H)}
-    for i, kind in enumerate(kinds_of(cfg)):
-        p = f"backbone.layers.{i}."
-        out[p + "norm.weight"] = (H,)
-        m = p + "mixer."
-        if kind == "linear_attention":
-            nh, inner, gn = cfg["mamba_num_heads"], cfg["mamba_num_heads"] * cfg["mamba_head_dim"], cfg["n_groups"] * cfg["ssm_state_size"]
-            conv = inner + 2 * gn
-            out.update({m + "in_proj.weight": (2 * inner + 2 * gn + nh, H), m + "conv1d.weight": (conv, 1, cfg["conv_kernel"]),
-                        m + "conv1d.bias": (conv,), m + "A_log": (nh,), m + "D": (nh,), m + "dt_bias": (nh,),
-                        m + "norm.weight": (inner,), m + "out_proj.weight": (H, inner)})
-        elif kind == "full_attention":
-            q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-            out.update({m + "q_proj.weight": (q, H), m + "k_proj.weight": (kv, H), m + "v_proj.weight": (kv, H),
-                        m + "o_proj.weight": (H, q)})
-        elif kind == "mlp":
-            out.update({m + "up_proj.weight": (cfg["intermediate_size"], H), m + "down_proj.weight": (H, cfg["intermediate_size"])})
-        else:
-            E, F, Fs = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["moe_shared_expert_intermediate_size"]
-            L = cfg.get("moe_latent_size") or H
-            out.update({m + "gate.weight": (E, H), m + "gate.e_score_correction_bias": (E,),
-                        m + "shared_experts.up_proj.weight": (Fs, H), m + "shared_experts.down_proj.weight": (H, Fs)})
-            for j in range(E):
-                out.update({m + f"experts.{j}.up_proj.weight": (F, L), m + f"experts.{j}.down_proj.weight": (L, F)})
-            if cfg.get("moe_latent_size"):
-                out.update({m + "fc1_latent_proj.weight": (L, H), m + "fc2_latent_proj.weight": (H, L)})
-    return out
-
-
 def check_hf_layout(directory: Path, cfg: dict, dtype: str) -> None:
-    """Saved names and shapes are exactly the HF layout; router tensors F32, the rest `dtype`."""
+    """Saved names and shapes are exactly nemoh's HF layout table (nemoh.io.layout, read off the loader);
+    router tensors F32, the rest `dtype`."""
     src = TensorSource(directory)
-    expected = expected_tensors(cfg)
+    expected = {s.name + ".weight" if s.projection else s.name: s.shape
+                for s in hf_layout(NemotronHConfig.from_dict(cfg))}
     assert src.names() == set(expected), sorted(src.names() ^ set(expected))
     for name, shape in expected.items():
         assert src.shape_of(name) == shape, name

@@ -1,0 +1,48 @@
+"""JAX's persistent compilation cache, on by default for nemoh's programs.
+
+A second process (a restarted notebook, the CLI) then loads compiled decode and prefill programs from
+disk instead of compiling them again. Location: $NEMOH_COMPILATION_CACHE if set to a path, else
+$XDG_CACHE_HOME/nemoh/jax-compilation (~/.cache/... without XDG_CACHE_HOME). NEMOH_COMPILATION_CACHE=0
+(or "off") turns it off; a cache directory the user already gave JAX is left as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+ENV_VAR = "NEMOH_COMPILATION_CACHE"
+_OFF = ("0", "off", "false", "no")
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nemoh" / "jax-compilation"
+
+
+def set_compilation_cache(path: str | Path | None) -> Path | None:
+    """Use `path` as JAX's persistent compilation cache (None turns it off). Returns the path in use."""
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = Path(path).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path
+
+
+def enable_default_cache() -> Path | None:
+    """What `import nemoh` does: the environment's choice, else the default location, unless JAX was
+    already given a cache directory. An unwritable location leaves the cache off rather than failing."""
+    setting = os.environ.get(ENV_VAR, "")
+    if setting.lower() in _OFF:
+        return set_compilation_cache(None)
+    if jax.config.jax_compilation_cache_dir is not None:
+        return Path(jax.config.jax_compilation_cache_dir)
+    try:
+        return set_compilation_cache(setting or default_cache_dir())
+    except OSError:
+        return None

@@ -1,0 +1,55 @@
+"""The persistent compilation cache: on by default, in the place the environment says, off on request;
+a second process loads the programs the first compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "checkpoints" / "tiny-nemotron-h"
+
+# Generates from the tiny checkpoint and prints how many compilations the persistent cache served.
+PROGRAM = f"""
+import json, jax
+hits = []
+jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if e.endswith("cache_hits") else None)
+import nemoh, sys
+if sys.argv[1] == "generate":
+    nemoh.generate(nemoh.load({str(TINY)!r}), [[1, 2, 3]], max_new_tokens=3)
+print(json.dumps({{"dir": jax.config.jax_compilation_cache_dir,
+                   "enabled": jax.config.jax_enable_compilation_cache, "hits": len(hits)}}))
+"""
+
+
+def _run(env_value: str | None, action: str = "generate") -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "NEMOH_COMPILATION_CACHE"}
+    if env_value is not None:
+        env["NEMOH_COMPILATION_CACHE"] = env_value
+    out = subprocess.run([sys.executable, "-c", PROGRAM, action], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_hits_the_cache(tmp_path):
+    first = _run(str(tmp_path / "cache"))
+    assert first["enabled"] and first["dir"] == str(tmp_path / "cache") and first["hits"] == 0
+    assert any((tmp_path / "cache").iterdir())  # programs were written
+    second = _run(str(tmp_path / "cache"))
+    assert second["hits"] >= 2  # at least prefill and decode came from disk
+
+
+def test_cache_can_be_turned_off(tmp_path):
+    off = _run("off", action="import")
+    assert not off["enabled"] and off["hits"] == 0
+
+
+def test_default_location_is_the_user_cache_dir(monkeypatch, tmp_path):
+    from nemoh.compile_cache import default_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "nemoh" / "jax-compilation"
