@@ -5,6 +5,8 @@ from nemoh.config import NemotronHConfig
 from nemoh.errors import (CacheCapacityError, CheckpointError, ConfigError, NemohError, RequestError,
                           StaleCarryError)
 from nemoh.io.loader import load
+from nemoh.io.persist import save
+from nemoh.io.save_hf import save_hf
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.generate import generate
 from nemoh.model import ModelParams, forward, register_mixer
@@ -14,6 +16,6 @@ enable_default_cache()
 
 __all__ = [
     "set_compilation_cache",
-    "NemotronHConfig", "ModelParams", "CacheSpec", "load", "random_params", "forward", "generate", "register_mixer",
+    "NemotronHConfig", "ModelParams", "CacheSpec", "load", "save", "save_hf", "random_params", "forward", "generate", "register_mixer",
     "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "StaleCarryError",
 ]

@@ -28,6 +28,9 @@ _BLOCK_WORDS = {
     "mlp": MLP,
     "moe": MOE,
 }
+# config.json keys that describe a stored checkpoint or its layout, not the model: never carried over
+_NOT_CARRIED = ("quantization_config", "hybrid_override_pattern", "layers_block_type", "layer_types",
+                "num_hidden_layers", "eos_token_id", "model_type", "architectures")
 # legacy name -> current name
 _ALIASES = {
     "mamba_n_groups": "n_groups",
@@ -81,6 +84,9 @@ class NemotronHConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     tie_word_embeddings: bool = False
+    # config.json fields nemoh does not use, as (key, JSON text), kept so a saved checkpoint keeps them;
+    # left out of equality and hashing, so they never cause a recompile
+    hf_extra: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -141,9 +147,11 @@ class NemotronHConfig:
         kwargs: dict[str, Any] = {"layer_kinds": kinds, "eos_token_ids": eos_ids,
                                   "time_step_limit": (float(limit[0]), float(limit[1]))}
         for f in dataclasses.fields(cls):
-            if f.name in kwargs or f.name not in d:
+            if f.name in kwargs or f.name not in d or f.name == "hf_extra":
                 continue
             kwargs[f.name] = d[f.name]
+        kwargs["hf_extra"] = tuple(sorted((k, json.dumps(v)) for k, v in d.items()
+                                          if k not in kwargs and k not in _NOT_CARRIED))
         if d.get("use_bias") or d.get("mamba_proj_bias"):
             raise ConfigError(f"use_bias={d.get('use_bias')!r}, mamba_proj_bias={d.get('mamba_proj_bias')!r}: "
                               "Mamba projection biases are not part of NemotronH and are not supported")
@@ -153,6 +161,20 @@ class NemotronHConfig:
         cfg = cls(**kwargs)
         cfg.validate()
         return cfg
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json transformers' NemotronHForCausalLM reads (pattern spelling), with every field
+        of the config this was parsed from that nemoh does not use."""
+        d: dict[str, Any] = {k: json.loads(v) for k, v in self.hf_extra}
+        d.update(model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
+                 hybrid_override_pattern=self.pattern, num_hidden_layers=self.num_layers)
+        for f in dataclasses.fields(self):
+            if f.name not in ("layer_kinds", "eos_token_ids", "time_step_limit", "hf_extra"):
+                d[f.name] = getattr(self, f.name)
+        eos = list(self.eos_token_ids)
+        d["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+        d["time_step_limit"] = [v if math.isfinite(v) else {"__float__": "Infinity"} for v in self.time_step_limit]
+        return d
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "NemotronHConfig":

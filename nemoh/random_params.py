@@ -12,6 +12,7 @@ tensor's values depend only on (seed, tensor name), never on the order of constr
 from __future__ import annotations
 
 import zlib
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -51,23 +52,8 @@ class _RandomReader:
         return None
 
     def vector(self, name: str, shape: tuple[int, ...], dtype=None):
-        dtype = dtype or self.dtype
-        key = self._key(name)
         leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]  # embeddings, norm, conv1d, gate, A_log, ...
-        if leaf in ("norm", "norm_f", "D"):
-            return jnp.ones(shape, dtype)
-        if leaf == "A_log":
-            return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
-        if leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 1e-1]
-            dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, np.log(1e-3), np.log(1e-1)))
-            return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
-        if leaf in ("e_score_correction_bias", "bias"):
-            scale = 0.01
-        elif leaf in ("conv1d", "gate"):  # [C, 1, K] conv taps, [E, H] router: unit-variance outputs
-            scale = 1.0 / np.sqrt(shape[-1])
-        else:  # embeddings
-            scale = 1.0
-        return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return _draw_vector(self._key(name), leaf, tuple(shape), jnp.dtype(dtype or self.dtype))
 
     def linear(self, module: str, out_dim: int, in_dim: int):
         return self._weight(module, self._format(module), (), out_dim, in_dim)
@@ -80,19 +66,45 @@ class _RandomReader:
                             out_dim, in_dim)
 
     def _weight(self, module: str, fmt: str | None, lead: tuple[int, ...], out_dim: int, in_dim: int):
-        k1, k2 = jax.random.split(self._key(module))
-        std = 1.0 / np.sqrt(in_dim)
-        if fmt is None:  # drawn in the param dtype: no float32 copy of a whole expert stack
-            return jax.random.normal(k1, (*lead, out_dim, in_dim), self.dtype) * jnp.asarray(std, self.dtype)
-        if fmt == "FP8":
-            codes = jax.random.normal(k1, (*lead, out_dim, in_dim), jnp.bfloat16) * jnp.bfloat16(_FP8_SPREAD)
-            data = jnp.clip(codes, -448.0, 448.0).astype(jnp.float8_e4m3fn)
-            return FP8Weight(data, jnp.full(lead, std / _FP8_SPREAD, jnp.float32))
-        packed = jax.random.bits(k1, (*lead, out_dim, in_dim // 2), jnp.uint8)
-        lo, hi = _BLOCK_SCALE_RANGE
-        block = jax.random.uniform(k2, (*lead, out_dim, in_dim // NVFP4_BLOCK), jnp.float32, lo, hi)
-        global_scale = std / (_E2M1_STD * np.sqrt((lo * lo + lo * hi + hi * hi) / 3))  # rms of the block scales
-        return NVFP4Weight.from_hf(packed, block.astype(jnp.float8_e4m3fn), jnp.full(lead, global_scale, jnp.float32))
+        return _draw_weight(self._key(module), fmt, (*lead, out_dim, in_dim), self.dtype)
+
+
+# One compiled draw per (kind, shape, dtype): a model has few distinct tensor shapes.
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw_vector(key, leaf: str, shape: tuple[int, ...], dtype):
+    if leaf in ("norm", "norm_f", "D"):
+        return jnp.ones(shape, dtype)
+    if leaf == "A_log":
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+    if leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 1e-1]
+        dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, np.log(1e-3), np.log(1e-1)))
+        return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+    if leaf in ("e_score_correction_bias", "bias"):
+        scale = 0.01
+    elif leaf in ("conv1d", "gate"):  # [C, 1, K] conv taps, [E, H] router: unit-variance outputs
+        scale = 1.0 / np.sqrt(shape[-1])
+    else:  # embeddings
+        scale = 1.0
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw_weight(key, fmt: str | None, shape: tuple[int, ...], dtype):
+    """A projection [..., out, in] with standard deviation 1/sqrt(in), stored in `fmt` (None: dense)."""
+    *lead, out_dim, in_dim = shape
+    k1, k2 = jax.random.split(key)
+    std = 1.0 / np.sqrt(in_dim)
+    if fmt is None:  # drawn in the param dtype: no float32 copy of a whole expert stack
+        return jax.random.normal(k1, shape, dtype) * jnp.asarray(std, dtype)
+    if fmt == "FP8":
+        codes = jax.random.normal(k1, shape, jnp.bfloat16) * jnp.bfloat16(_FP8_SPREAD)
+        data = jnp.clip(codes, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+        return FP8Weight(data, jnp.full(lead, std / _FP8_SPREAD, jnp.float32))
+    packed = jax.random.bits(k1, (*lead, out_dim, in_dim // 2), jnp.uint8)
+    lo, hi = _BLOCK_SCALE_RANGE
+    block = jax.random.uniform(k2, (*lead, out_dim, in_dim // NVFP4_BLOCK), jnp.float32, lo, hi)
+    global_scale = std / (_E2M1_STD * np.sqrt((lo * lo + lo * hi + hi * hi) / 3))  # rms of the block scales
+    return NVFP4Weight.from_hf(packed, block.astype(jnp.float8_e4m3fn), jnp.full(lead, global_scale, jnp.float32))
 
 
 def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.bfloat16, seed: int = 0

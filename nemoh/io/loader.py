@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 from nemoh.errors import CheckpointError
 from nemoh.io.modelopt import QuantSpec, read_kv_scales, read_linear
+from nemoh.io.persist import is_saved_params, restore
 from nemoh.io.tensor_source import TensorSource
 from nemoh.layers.attention import AttentionParams
 from nemoh.layers.mamba2 import MambaParams
@@ -151,15 +152,26 @@ def build_params(cfg: NemotronHConfig, reader, embed_key: str = EMBEDDING_KEYS[0
     )
 
 
-def load(path: str | Path, dtype=jnp.bfloat16, *, progress: bool | None = None) -> ModelParams:
-    """Load a NemotronH checkpoint directory (config.json + model.safetensors or an index of shards).
+def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding=None) -> ModelParams:
+    """Load a NemotronH checkpoint directory: Hugging Face layout (config.json + model.safetensors or an
+    index of shards, ModelOpt-quantised or not), or a directory written by nemoh.save.
 
-    dtype: the dtype of dense weights and activations (router and SSM parameters stay fp32).
-    progress: show a progress bar (default: only for checkpoints of 1 GiB and more).
+    dtype: the dtype of dense weights and activations (router and SSM parameters stay fp32); None means
+    bfloat16 for a Hugging Face checkpoint and the saved dtype for a nemoh.save directory, which is
+    restored exactly as saved (another dtype is refused). progress: show a progress bar (default: only
+    for checkpoints of 1 GiB and more). sharding: where a nemoh.save directory's leaves go (see
+    nemoh.io.persist.restore).
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if is_saved_params(path):
+        params = restore(path, sharding=sharding)
+        if dtype is not None and jnp.dtype(dtype) != params.dtype:
+            raise CheckpointError(f"{path} was saved in {params.dtype}; load it with dtype=None (or "
+                                  f"{params.dtype}) rather than {jnp.dtype(dtype)}")
+        return params
+    dtype = jnp.bfloat16 if dtype is None else dtype
     cfg = NemotronHConfig.from_json_file(path / "config.json")
     src = TensorSource(path)
     reader = _Reader(src, QuantSpec.from_dir(path), jnp.dtype(dtype))
