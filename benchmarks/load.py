@@ -1,5 +1,6 @@
 """Cold start: write a Nano-size quantised checkpoint once, then time fresh processes from `nemoh.load`
-to the first generated token, with a cold and then a warm persistent compilation cache.
+to the first generated token, with a cold and then a warm persistent compilation cache; then the same
+from a nemoh.save (orbax) copy of the params, against the safetensors load.
 
     PYTHONPATH=. python3 benchmarks/load.py --dir /tmp/nano-nvfp4 [--layout NANO_NVFP4] [--out DIR]
 
@@ -8,7 +9,8 @@ config.json with quantization_config, hf_quant_config.json, an input_scale on ev
 every tensor the loader asks for (nemoh.io.layout) drawn by nemoh.random_params' reader on the default
 device and converted back to the stored form (`to_hf`). Each timed process imports nemoh, loads the
 checkpoint onto the device and generates one token from a 16-token prompt; it reports import, load
-and first-token seconds. Results: printed, and load.json in --out.
+and first-token seconds. The orbax leg saves the loaded params once (nemoh.save) and times a fresh
+process restoring them (warm cache). Results: printed, and load.json in --out.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ t3 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_token_s": t3 - t2, "total_s": t3 - t0,
                   "device": jax.devices()[0].device_kind}))
 """
+
+
+SAVE = "import sys, nemoh; nemoh.save(nemoh.load(sys.argv[1]), sys.argv[2])"
 
 
 def write_checkpoint(config: dict, layout: str, out: Path, seed: int = 0) -> float:
@@ -100,9 +105,11 @@ def main() -> int:
         size = write_checkpoint(config, args.layout, model_dir)
         result.update(write_s=time.perf_counter() - t0, checkpoint_gb=size / 1e9)
         print(f"wrote {model_dir}: {size / 1e9:.1f} GB in {result['write_s']:.0f} s", flush=True)
-    with tempfile.TemporaryDirectory(prefix="nemoh-cc-") as cache:
-        for run in ("cold_cache", "warm_cache"):
-            result[run] = time_fresh_process(model_dir, Path(cache))
+    with tempfile.TemporaryDirectory(prefix="nemoh-cc-") as cache, \
+            tempfile.TemporaryDirectory(prefix="nemoh-saved-") as saved:
+        subprocess.run([sys.executable, "-c", SAVE, str(model_dir), f"{saved}/params"], check=True)
+        for run, source in (("cold_cache", model_dir), ("warm_cache", model_dir), ("orbax_warm_cache", f"{saved}/params")):
+            result[run] = time_fresh_process(Path(source), Path(cache))
             r = result[run]
             print(f"{run}: import {r['import_s']:.1f} s, load {r['load_s']:.1f} s, first token "
                   f"{r['first_token_s']:.1f} s, total {r['total_s']:.1f} s ({r['device']})", flush=True)
