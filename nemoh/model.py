@@ -57,6 +57,41 @@ class ModelParams:
     def dtype(self):
         return self.embed.dtype
 
+    def __repr__(self) -> str:
+        """One screen: pattern, dtype, and per layer kind the count, its matrices by storage format
+        (dense dtype, FP8, NVFP4) and its bytes (the full tree: treescope's view, or jax.tree.map)."""
+        from pallas_kernels import is_quantized
+
+        kinds: dict[str, list] = {}
+        for layer in self.layers:
+            entry = kinds.setdefault(layer_scope(layer), [0, {}, 0])
+            entry[0] += 1
+            for leaf in jax.tree.leaves(layer, is_leaf=is_quantized):
+                fmt = type(leaf).__name__.removesuffix("Weight") if is_quantized(leaf) else str(leaf.dtype)
+                if is_quantized(leaf) or leaf.ndim >= 2:
+                    entry[1][fmt] = entry[1].get(fmt, 0) + 1
+                entry[2] += sum(a.nbytes for a in jax.tree.leaves(leaf))
+        rows = [f"  {kind}: {n} layer(s), matrices {dict(sorted(f.items()))}, {b / 2**20:.1f} MiB"
+                for kind, (n, f, b) in kinds.items()]
+        if self.lm_head is None:
+            head_fmt = "tied to the embedding"
+        else:
+            head_fmt = type(self.lm_head).__name__ if is_quantized(self.lm_head) else str(self.lm_head.dtype)
+        total = sum(a.nbytes for a in jax.tree.leaves(self))
+        return "\n".join([f"ModelParams({self.config.pattern!r}, {self.config.num_layers} layers, dtype {self.dtype}, "
+                          f"hidden {self.config.hidden_size}, vocab {self.config.vocab_size}, {total / 2**20:.1f} MiB)",
+                          *rows, f"  lm_head: {head_fmt}"])
+
+    def _repr_html_(self) -> str:
+        """Notebooks: treescope's interactive view of the whole tree when treescope is installed."""
+        try:
+            import treescope
+        except ImportError:
+            import html
+
+            return f"<pre>{html.escape(repr(self))}</pre>"
+        return treescope.render_to_html(self)
+
 
 def apply_mixer(layer, h: jax.Array, cfg: NemotronHConfig, state, ctx: TokenContext) -> tuple[jax.Array, Any]:
     """One layer's mixer on its normed input h [b, T, H] -> (out [b, T, H], new state), under the
