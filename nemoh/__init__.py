@@ -7,8 +7,10 @@ from nemoh.io.loader import load
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.generate import generate
 from nemoh.model import ModelParams, forward, register_mixer
+from nemoh.text import Tokenizer, generate_text, load_tokenizer
 
 __all__ = [
     "NemotronHConfig", "ModelParams", "CacheSpec", "load", "forward", "generate", "register_mixer",
+    "Tokenizer", "load_tokenizer", "generate_text",
     "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "StaleCarryError",
 ]

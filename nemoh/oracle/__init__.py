@@ -113,3 +113,14 @@ def greedy(jobs: list[dict]) -> list[list[dict]]:
                 "dtype": j.get("dtype", "float32")} for j in jobs]
     results, _ = _run(request)
     return [r["results"] for r in results]
+
+
+def text(model_dir, texts: list[str], chats: list[dict]) -> dict:
+    """transformers' AutoTokenizer on a checkpoint's tokenizer files. chats: [{messages,
+    add_generation_prompt, optional tools}]. Returns {"encoded": ids per text (default special tokens),
+    "chats": [{"text": apply_chat_template(tokenize=False), "ids": apply_chat_template(tokenize=True)}]}."""
+    request = [{"kind": "text", "model_dir": str(model_dir), "texts": list(texts),
+                "chats": [{"messages": c["messages"], "add_generation_prompt": bool(c["add_generation_prompt"]),
+                           "tools": c.get("tools")} for c in chats]}]
+    results, _ = _run(request)
+    return results[0]
