@@ -1,12 +1,13 @@
 """The nemoh command line: `python -m nemoh generate ...` and `python -m nemoh info DIR` (see --help).
 
 A nemoh error (bad input, a broken checkpoint) prints as one line on stderr, `nemoh: error: ...`, and
-exits with status 1; a malformed command line exits with status 2 and the usage.
+exits with status 1; a malformed command line exits with status 2 and the usage; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from nemoh.cli import generate, info
@@ -38,4 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except NemohError as e:
         print(f"nemoh: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("nemoh: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (e.g. `| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -1,6 +1,7 @@
 """nemoh generate: load a checkpoint, stream generated text (or token ids), report the speed.
 
-The generated text goes to stdout as it arrives; what was loaded and the timings go to stderr, so
+One prompt's text streams to stdout as it arrives; with several prompts the labelled pieces stream to
+stderr and each complete result then goes to stdout. What was loaded and the timings go to stderr, so
 `> out.txt` keeps only the text.
 """
 
@@ -77,22 +78,29 @@ def run(args, out=None, err=None) -> int:
     params = nemoh.load(args.model, dtype=jnp.dtype(args.dtype))
     print(loaded_line(args.model, args.dtype, time.perf_counter() - t0), file=err, flush=True)
 
-    echo = len(prompts) == 1 and not args.chat  # a single plain prompt is printed with its continuation
-    lead = (prompts[0] if text_mode else " ".join(map(str, prompts[0])) + " -> ") if echo else ""
-    printer = Printer(len(prompts), out, lead)
+    # What precedes each new text: the prompt itself (plain text), nothing (chat), or "ids -> ".
+    heads = [("" if args.chat else p) if text_mode else " ".join(map(str, p)) + " -> " for p in prompts]
+    single = len(prompts) == 1
+    # One prompt streams to stdout after its head; a batch streams labelled pieces to stderr and then
+    # writes each complete result to stdout.
+    printer = Printer(1, out, heads[0]) if single else Printer(len(prompts), err)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     with GenerationClock() as clock:
         if text_mode:
-            generate_text(params, tokenizer, prompts, chat=args.chat, on_text=printer.piece, on_token=clock.on_token,
-                          **options)
+            results = generate_text(params, tokenizer, prompts, chat=args.chat, on_text=printer.piece,
+                                    on_token=clock.on_token, **options)
         else:
             def on_token(i: int, token: int) -> None:
                 clock.on_token(i, token)
                 printer.piece(i, f"{token} ")
 
-            nemoh.generate(params, prompts, on_token=on_token, **options)
+            results = ["".join(f"{t} " for t in new) for new in nemoh.generate(params, prompts, on_token=on_token,
+                                                                                **options)]
     printer.finish()
+    if not single:
+        for i, (head, result) in enumerate(zip(heads, results)):
+            out.write(f"[{i}] {head}{result}\n")
     for line in clock.report(len(prompts)):
         print(line, file=err)
     return 0
