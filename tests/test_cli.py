@@ -106,11 +106,11 @@ def test_generate_batch_and_chat(demo_checkpoint, demo, capsys):
     assert out == nemoh.generate_text(params, tok, ["Who are you?"], chat=True, max_new_tokens=8)[0] + "\n"
 
 
-def test_generate_ids_without_tokenizer(capsys):
-    rc, out, err = run_cli(["generate", "--model", TINY, "--prompt-ids", "1 5 9 200", "--max-new-tokens", 6,
-                            "--ignore-eos"], capsys)
+def test_generate_ids(demo_checkpoint, demo, capsys):
+    rc, out, err = run_cli(["generate", "--model", demo_checkpoint, "--prompt-ids", "1 5 9 200",
+                            "--max-new-tokens", 40, "--ignore-eos"], capsys)
     assert rc == 0, err
-    expected = nemoh.generate(nemoh.load(TINY), [[1, 5, 9, 200]], max_new_tokens=6, ignore_eos=True)[0]
+    expected = nemoh.generate(demo[0], [[1, 5, 9, 200]], max_new_tokens=40, ignore_eos=True)[0]
     assert out == "1 5 9 200 -> " + "".join(f"{t} " for t in expected) + "\n"
 
 

@@ -75,7 +75,8 @@ def rich_checkpoint(demo_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(demo_checkpoint, rich_checkpoint):
     """transformers' encodings and chat renderings, for both tokenizer directories (one worker each)."""
-    return {d: oracle.text(d, TEXTS, CHATS) for d in (demo_checkpoint, rich_checkpoint)}
+    dirs = (demo_checkpoint, rich_checkpoint)
+    return dict(zip(dirs, oracle.text([dict(model_dir=d, texts=TEXTS, chats=CHATS) for d in dirs])))
 
 
 def test_encode_matches_transformers_and_round_trips(demo_checkpoint, reference):
