@@ -21,12 +21,12 @@ import json
 import math
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 from safetensors.numpy import save_file
@@ -231,8 +231,6 @@ def hf_tensors(params: ModelParams) -> dict[str, np.ndarray]:
 def write_checkpoint(out_dir: Path, params: ModelParams, tokenizer: Tokenizer, config: dict) -> None:
     """Write the HF checkpoint: bf16 tensors except the MoE router weight and bias (float32, as in the
     released checkpoints), plus the config, generation config and tokenizer files."""
-    import ml_dtypes
-
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -282,4 +280,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

@@ -132,6 +132,11 @@ def test_nemoh_errors_are_one_line(args, message, capsys):
     assert all(line.startswith(f"model {TINY}: ") for line in before), err  # the load report, when it got that far
 
 
+def test_empty_text_prompt_fails_before_loading(demo_checkpoint, capsys):
+    rc, out, err = run_cli(["generate", "--model", demo_checkpoint, "--prompt", ""], capsys)
+    assert rc == 1 and err == "nemoh: error: prompt 0 ('') encodes to no tokens\n", err
+
+
 def test_missing_checkpoint_is_one_line(tmp_path, capsys):
     for argv in (["generate", "--model", tmp_path / "nope", "--prompt-ids", "1"], ["info", tmp_path / "nope"]):
         rc, out, err = run_cli(argv, capsys)

@@ -16,6 +16,9 @@ import jax.numpy as jnp
 from nemoh.cli.info import summarise
 from nemoh.cli.timing import GenerationClock
 from nemoh.errors import RequestError
+from nemoh.generate import generate
+from nemoh.io.loader import load
+from nemoh.text import encode_prompts, generate_text, load_tokenizer
 
 
 class Printer:
@@ -59,11 +62,8 @@ def loaded_line(path: str, dtype: str, seconds: float) -> str:
             f"x{jax.device_count()}; loaded in {seconds:.2f} s")
 
 
-def run(args, out=None, err=None) -> int:
-    import nemoh
-    from nemoh.text import encode_prompts, generate_text, load_tokenizer
-
-    out, err = out or sys.stdout, err or sys.stderr
+def run(args) -> int:
+    out, err = sys.stdout, sys.stderr
     text_mode = args.prompt is not None
     if args.chat and not text_mode:
         raise RequestError("--chat needs text prompts (--prompt), not --prompt-ids")
@@ -75,7 +75,7 @@ def run(args, out=None, err=None) -> int:
         prompts = parse_ids(args.prompt_ids)
 
     t0 = time.perf_counter()
-    params = nemoh.load(args.model, dtype=jnp.dtype(args.dtype))
+    params = load(args.model, dtype=jnp.dtype(args.dtype))
     print(loaded_line(args.model, args.dtype, time.perf_counter() - t0), file=err, flush=True)
 
     # What precedes each new text: the prompt itself (plain text), nothing (chat), or "ids -> ".
@@ -95,8 +95,8 @@ def run(args, out=None, err=None) -> int:
                 clock.on_token(i, token)
                 printer.piece(i, f"{token} ")
 
-            results = ["".join(f"{t} " for t in new) for new in nemoh.generate(params, prompts, on_token=on_token,
-                                                                                **options)]
+            new_ids = generate(params, prompts, on_token=on_token, **options)
+            results = ["".join(f"{t} " for t in new) for new in new_ids]
     printer.finish()
     if not single:
         for i, (head, result) in enumerate(zip(heads, results)):

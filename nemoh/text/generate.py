@@ -16,9 +16,11 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str], chat: bool = False)
     as one user message through the chat template, ready for the assistant's reply."""
     if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise RequestError(f"prompts must be a non-empty list of strings, got {prompts!r}"[:200])
-    if chat:
-        return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    return [tokenizer.encode(p) for p in prompts]
+    ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) if chat else tokenizer.encode(p) for p in prompts]
+    for i, row in enumerate(ids):
+        if not row:
+            raise RequestError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens")
+    return ids
 
 
 def generate_text(params: ModelParams, tokenizer: Tokenizer, prompts: list[str], *, chat: bool = False,
