@@ -11,11 +11,13 @@ from nemoh.engine.kv_pages import CacheSpec
 from nemoh.generate import generate
 from nemoh.model import ModelParams, forward, register_mixer
 from nemoh.random_params import random_params
+from nemoh.text import Tokenizer, generate_text, load_tokenizer
 
 enable_default_cache()
 
 __all__ = [
     "set_compilation_cache",
-    "NemotronHConfig", "ModelParams", "CacheSpec", "load", "save", "save_hf", "random_params", "forward", "generate", "register_mixer",
+    "NemotronHConfig", "ModelParams", "CacheSpec", "load", "save", "save_hf", "random_params", "forward", "generate",
+    "register_mixer", "Tokenizer", "load_tokenizer", "generate_text",
     "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "StaleCarryError",
 ]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.12) with nemoh installed editable plus its test extras.
+# Create .venv (Python 3.12) with nemoh installed editable plus its test and train extras (CI runs a few
+# training steps of checkpoints/make_demo.py, which needs optax).
 # Idempotent and fast when nothing changed: a stamp in .venv records the hash of pyproject.toml
 # and the interpreter version it was installed for; pip runs only when that changes.
 set -euo pipefail
@@ -27,6 +28,6 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
     echo "setup.sh: .venv is up to date"
     exit 0
 fi
-.venv/bin/python -m pip install --quiet -e '.[test]'
+.venv/bin/python -m pip install --quiet -e '.[test,train]'
 echo "$WANT" > "$STAMP"
 echo "setup.sh: .venv ready ($(.venv/bin/python --version))"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv-oracle (Python 3.11) with CPU torch 2.13.0, transformers 5.24.0, safetensors and numpy:
-# the environment nemoh/oracle/hf_worker.py runs in. Idempotent: does nothing when the pinned
-# versions are already installed.
+# Create .venv-oracle (Python 3.11) with CPU torch 2.13.0, transformers 5.24.0, safetensors, numpy and
+# jinja2 (transformers' apply_chat_template): the environment nemoh/oracle/hf_worker.py runs in.
+# Idempotent: does nothing when the pinned versions are already installed.
 #
 # torch comes from a local CPU wheel when pip's configured find-links has one, else from PyTorch's
 # CPU index ($NEMOH_TORCH_CPU_INDEX overrides it). Never from PyPI: PyPI's Linux torch is the CUDA
@@ -20,7 +20,7 @@ installed() {
 import sys
 from importlib.metadata import version
 assert version("torch") == sys.argv[1] and version("transformers") == sys.argv[2]
-version("numpy"), version("safetensors")
+version("numpy"), version("safetensors"), version("jinja2")
 PY
 }
 
@@ -49,7 +49,7 @@ if ! "${PIP[@]}" --no-index --no-deps "torch==$TORCH+cpu" >/dev/null 2>&1; then
     "${PIP[@]}" --no-deps --index-url "$CPU_INDEX" "torch==$TORCH+cpu"
 fi
 # torch is already satisfied, so this only adds its dependencies and the rest.
-"${PIP[@]}" "torch==$TORCH" "transformers==$TRANSFORMERS" safetensors numpy
+"${PIP[@]}" "torch==$TORCH" "transformers==$TRANSFORMERS" safetensors numpy "jinja2>=3.1.6"
 if ! installed || ! "$VENV/bin/python" -c 'import torch, transformers.models.nemotron_h' >/dev/null; then
     echo "setup_oracle.sh: $VENV lacks a working CPU torch $TORCH + transformers $TRANSFORMERS" >&2
     exit 1

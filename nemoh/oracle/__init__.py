@@ -113,3 +113,16 @@ def greedy(jobs: list[dict]) -> list[list[dict]]:
                 "dtype": j.get("dtype", "float32")} for j in jobs]
     results, _ = _run(request)
     return [r["results"] for r in results]
+
+
+def text(jobs: list[dict]) -> list[dict]:
+    """transformers' AutoTokenizer on checkpoints' tokenizer files, all in one worker.
+
+    Each job: model_dir, texts, chats ([{messages, add_generation_prompt, optional tools}]). Returns, per
+    job, {"encoded": ids per text (default special tokens), "chats": [{"text":
+    apply_chat_template(tokenize=False), "ids": apply_chat_template(tokenize=True)}]}."""
+    request = [{"kind": "text", "model_dir": str(j["model_dir"]), "texts": list(j["texts"]),
+                "chats": [{"messages": c["messages"], "add_generation_prompt": bool(c["add_generation_prompt"]),
+                           "tools": c.get("tools")} for c in j["chats"]]} for j in jobs]
+    results, _ = _run(request)
+    return results

@@ -9,6 +9,8 @@ REQUEST.json is {"output_dir": str, "jobs": [job, ...]}. Every job has a "kind":
   make    {config, out_dir, seed, dtype, layout_spelling}: build a randomly initialised checkpoint
   logits  {model_dir, prompts, dtype}: full-sequence logits of each prompt alone
   greedy  {model_dir, prompts, max_new_tokens, stop_token_ids, dtype}: greedy tokens + margins
+  text    {model_dir, texts, chats}: AutoTokenizer's ids of each text, and of each chat
+          {messages, add_generation_prompt, tools} its apply_chat_template text and ids
 Results go to output_dir/result.json (one entry per job, in order) and output_dir/arrays.npz
 (logits, keyed "j{job}_p{prompt}"). All jobs run in this one process, so torch is imported once.
 
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import NemotronHConfig, NemotronHForCausalLM
+from transformers import AutoTokenizer, NemotronHConfig, NemotronHForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Defaults that keep the full-sequence dt clamp (see module docstring) from ever firing.
@@ -224,6 +226,20 @@ def greedy(job: dict) -> dict:
     return {"results": results, "min_dt": watch.check(job["model_dir"])}
 
 
+# ---- tokenizer and chat template -------------------------------------------------------------------
+def text(job: dict) -> dict:
+    """transformers' reading of a checkpoint's tokenizer files: encode each text (default special tokens),
+    and render + tokenize each chat with apply_chat_template."""
+    tok = AutoTokenizer.from_pretrained(job["model_dir"], local_files_only=True)
+    chats = []
+    for chat in job.get("chats", []):
+        kwargs = dict(add_generation_prompt=chat["add_generation_prompt"], tools=chat.get("tools"))
+        rendered = tok.apply_chat_template(chat["messages"], tokenize=False, **kwargs)
+        ids = tok.apply_chat_template(chat["messages"], tokenize=True, return_dict=False, **kwargs)
+        chats.append({"text": rendered, "ids": [int(t) for t in ids]})
+    return {"encoded": [tok(t)["input_ids"] for t in job.get("texts", [])], "chats": chats}
+
+
 # ---- entry point -----------------------------------------------------------------------------------
 def run(request: dict) -> None:
     """Run every job in order; write result.json and arrays.npz to request["output_dir"]."""
@@ -237,8 +253,10 @@ def run(request: dict) -> None:
             results.append(logits(job, j, arrays))
         elif kind == "greedy":
             results.append(greedy(job))
+        elif kind == "text":
+            results.append(text(job))
         else:
-            raise ValueError(f"job {j}: unknown kind {kind!r} (make | logits | greedy)")
+            raise ValueError(f"job {j}: unknown kind {kind!r} (make | logits | greedy | text)")
     out = Path(request["output_dir"])
     np.savez(out / "arrays.npz", **arrays)
     (out / "result.json").write_text(json.dumps({"jobs": results}))
