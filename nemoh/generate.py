@@ -12,7 +12,8 @@ from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import prefill
 from nemoh.engine.sampling import Sampling
 from nemoh.errors import RequestError
-from nemoh.model import ModelParams, check_token_ids
+from nemoh.model import ModelParams
+from nemoh.validate import check_token_ids
 
 
 def as_prompt_list(prompt_ids, vocab_size: int) -> list[np.ndarray]:
@@ -36,10 +37,7 @@ def as_prompt_list(prompt_ids, vocab_size: int) -> list[np.ndarray]:
             raise RequestError(f"prompt {i} holds non-integer entries: {row!r}"[:200])
         if len(row) == 0:
             raise RequestError(f"prompt {i} is empty")
-        try:
-            out.append(check_token_ids(np.asarray(row), vocab_size).astype(np.int32).reshape(-1))
-        except RequestError as e:
-            raise RequestError(f"prompt {i}: {e}") from None
+        out.append(check_token_ids(np.asarray(row), vocab_size, f"prompt {i}").astype(np.int32).reshape(-1))
     return out
 
 
