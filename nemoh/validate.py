@@ -85,13 +85,16 @@ def optional(check: Callable[..., Any], name: str, value: Any, *args) -> Any:
 def per_row(name: str, value: Any, n: int | None, check: Callable[[str, Any], Any]) -> list:
     """One value for every row, or a list / tuple / 1-D array of one value per row (n rows; any
     non-zero number when n is None); each value checked by check(name, value)."""
-    if isinstance(value, (list, tuple, np.ndarray)):
-        values = list(value) if np.ndim(value) == 1 else None
-        if not values or (n is not None and len(values) != n):
-            want = f"{n}" if n is not None else "one per prompt"
-            fail(name, value, f"must be one value for every prompt, or a list of {want} values")
-        return [check(f"{name}[{i}]", v) for i, v in enumerate(values)]
-    return [check(name, value)] * (n or 1)
+    if isinstance(value, (list, tuple)):
+        values = list(value)
+    elif isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) > 0:
+        values = list(np.asarray(value)) if np.ndim(value) == 1 else []
+    else:
+        return [check(name, value)] * (n or 1)
+    if not values or (n is not None and len(values) != n):
+        want = f"a list of {n} values" if n is not None else "a list of one value per prompt"
+        fail(name, value, f"must be one value for every prompt, or {want}")
+    return [check(f"{name}[{i}]", v) for i, v in enumerate(values)]
 
 
 def seed(name: str, value: Any) -> int:
@@ -197,9 +200,10 @@ def token_id_list(name: str, value: Any, vocab_size: int) -> tuple[int, ...]:
     """None or a list / tuple / set / 1-D integer array of token ids -> a tuple of ints."""
     if value is None:
         return ()
-    if isinstance(value, (list, tuple, set, frozenset)) or (isinstance(value, (np.ndarray, jax.Array))
-                                                           and np.ndim(value) == 1):
+    if isinstance(value, (list, tuple, set, frozenset)):
         items = list(value)
+    elif isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 1:
+        items = list(np.asarray(value))
     else:
         fail(name, value, "must be None or a list of token ids, e.g. [2]")
     for i, t in enumerate(items):

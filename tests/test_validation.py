@@ -43,6 +43,8 @@ def params():
     ({"temperature": 1e39}, r"temperature=1e\+39"),
     ({"temperature": None}, r"temperature=None"),
     ({"temperature": [0.5]}, r"temperature=\[0.5\]: must be one value for every prompt, or a list of 2"),
+    ({"temperature": [0.5, [1, 2]]}, r"temperature\[1\]=\[1, 2\]: must be a finite number"),
+    ({"top_p": np.ones((2, 1))}, r"(?s)top_p=array.*: must be one value for every prompt, or a list of one value"),
     ({"top_k": True}, r"top_k=True: must be an integer >= 1"),
     ({"top_k": 2.0}, r"top_k=2.0"),
     ({"top_p": float("nan")}, r"top_p=nan: must be a finite number in \(0.0, 1.0\]"),
@@ -217,6 +219,8 @@ def test_gate_arguments_and_cli_errors(tmp_path):
         run_gate(SHIPPED, [[1, 2]], 3, dtype="float64")
     with pytest.raises(RequestError, match="max_new_tokens=0"):
         run_gate(SHIPPED, [[1, 2]], 0)
+    with pytest.raises(RequestError, match="prompt 0: token id 999"):
+        run_gate(SHIPPED, [[1, 999]], 3)
     for args, match in [(["--model", str(tmp_path / "nowhere")], "no config.json"),
                         (["--model", str(SHIPPED), "--prompt-lengths", "3,x"], "--prompt-lengths='3,x'")]:
         out = subprocess.run([sys.executable, "-m", "nemoh.gate", *args], cwd=ROOT, capture_output=True, text=True,
