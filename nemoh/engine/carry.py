@@ -7,11 +7,13 @@ read: the next input token is produced on the device inside the step and read th
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from nemoh.config import ATTENTION, MAMBA
+from nemoh.config import ATTENTION, MAMBA, NemotronHConfig
 from nemoh.engine.sampling import SamplingState
 from nemoh.errors import NonFiniteError, RequestError, StaleCarryError
 from nemoh.layers.attention import KVPages
@@ -47,15 +49,14 @@ class DecodeCarry:
     sampling: SamplingState
 
 
-def initial_states(params: ModelParams, batch: int, num_pages: int, page_size: int) -> tuple:
+def initial_states(cfg: NemotronHConfig, dtype, batch: int, num_pages: int, page_size: int) -> tuple:
     """Zero state per layer: MambaState for Mamba layers, a KV pool for attention, None otherwise."""
-    cfg = params.config
     out = []
     for kind in cfg.layer_kinds:
         if kind == MAMBA:
-            out.append(MambaState.zeros(cfg, batch, params.dtype))
+            out.append(MambaState.zeros(cfg, batch, dtype))
         elif kind == ATTENTION:
-            out.append(KVPages.zeros(cfg, num_pages, page_size, params.dtype))
+            out.append(KVPages.zeros(cfg, num_pages, page_size, dtype))
         else:
             out.append(None)
     return tuple(out)
@@ -70,9 +71,14 @@ def check_live(carry: DecodeCarry) -> None:
         )
 
 
-def _describe(state) -> str:
-    leaves = ", ".join(f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(state))
-    return f"{type(state).__name__}({leaves})"
+def _spec(state) -> tuple:
+    """A layer state's type and its leaves' (shape, dtype)."""
+    return type(state).__name__, tuple((tuple(a.shape), a.dtype) for a in jax.tree.leaves(state))
+
+
+@functools.lru_cache(maxsize=16)
+def _expected(cfg: NemotronHConfig, dtype, batch: int, num_pages: int, page_size: int) -> tuple:
+    return tuple(_spec(s) for s in jax.eval_shape(lambda: initial_states(cfg, dtype, batch, num_pages, page_size)))
 
 
 def check_matches(params: ModelParams, carry: DecodeCarry) -> None:
@@ -80,15 +86,15 @@ def check_matches(params: ModelParams, carry: DecodeCarry) -> None:
     them (e.g. a float32 carry with bfloat16 params, or a carry from another model)."""
     pools = [s for s in carry.states if isinstance(s, KVPages)]
     num_pages, page_size = pools[0].k.shape[:2] if pools else (1, 1)
-    want = jax.eval_shape(lambda: initial_states(params, carry.tokens.shape[0], num_pages, page_size))
-    if len(carry.states) != len(want):
-        raise RequestError(f"carry does not match params: {len(carry.states)} layer states, the model has "
-                           f"{len(want)} layers")
-    spec = lambda t: (jax.tree.structure(t), [(a.shape, a.dtype) for a in jax.tree.leaves(t)])
-    for i, (got, need) in enumerate(zip(carry.states, want)):
-        if spec(got) != spec(need):
-            raise RequestError(f"carry does not match params: layer {i} state is {_describe(got)}, but these "
-                               f"params ({params.dtype}) need {_describe(need)}")
+    want = _expected(params.config, jnp.dtype(params.dtype), carry.tokens.shape[0], num_pages, page_size)
+    got = tuple(_spec(s) for s in carry.states)
+    if len(got) != len(want):
+        raise RequestError(f"carry does not match params: {len(got)} layer states, the model has {len(want)} layers")
+    show = lambda spec: f"{spec[0]}({', '.join(f'{d}{list(s)}' for s, d in spec[1])})"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            raise RequestError(f"carry does not match params: layer {i} state is {show(g)}, but these params "
+                               f"({params.dtype}) need {show(w)}")
     if carry.logits.shape[-1] != params.config.vocab_size:
         raise RequestError(f"carry does not match params: logits over {carry.logits.shape[-1]} tokens, the "
                            f"vocabulary has {params.config.vocab_size}")

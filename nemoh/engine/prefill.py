@@ -55,7 +55,7 @@ def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, 
         return states, jnp.where(ends_here[:, None], row_h, last_hidden)
 
     n_chunks = (jnp.max(x.lengths) + chunk - 1) // chunk
-    start_state = (initial_states(params, rows, num_pages, page_size),
+    start_state = (initial_states(params.config, params.dtype, rows, num_pages, page_size),
                    jnp.zeros((rows, params.config.hidden_size), params.dtype))
     states, last_hidden = jax.lax.fori_loop(0, n_chunks, run_chunk, start_state)
     logits = logits_from_hidden(params, last_hidden)
