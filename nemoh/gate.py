@@ -74,6 +74,8 @@ def run_gate(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: in
     validate.integer("max_new_tokens", max_new_tokens, 1)
     if generate_fn is not None and not callable(generate_fn):
         validate.fail("generate_fn", generate_fn, "must be None or a callable like nemoh.generate")
+    cfg = NemotronHConfig.from_json_file(validate.path("model_dir", model_dir) / "config.json")
+    validate.prompt_list(prompts, cfg.vocab_size)
     params = nemoh.load(model_dir, dtype=dtype)
     ours = (generate_fn or generate)(params, prompts, max_new_tokens=max_new_tokens)
     ref = oracle.greedy([dict(model_dir=str(oracle_dir or model_dir), prompts=prompts,
