@@ -162,7 +162,8 @@ def test_sampling_determinism_and_topk1(params):
 
 def _state(rows, temperature=1.0, top_k=None, top_p=1.0):
     return SamplingState(temperature=jnp.full((rows,), temperature, jnp.float32),
-                         top_k=jnp.full((rows,), top_k or 10**6, jnp.int32), top_p=jnp.full((rows,), top_p, jnp.float32),
+                         top_k=jnp.full((rows,), top_k or 10**6, jnp.int32),
+                         top_p=jnp.full((rows,), top_p, jnp.float32),
                          keys=jnp.arange(2 * rows, dtype=jnp.uint32).reshape(rows, 2))
 
 
