@@ -106,7 +106,7 @@ def test_generate_named_error_or_valid_result(params, data):
     assert all(1 <= len(row) <= _max_new(kwargs) and all(0 <= t < V for t in row) for row in out)
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=40, **SETTINGS)
 @given(tokens=st.one_of(
     st.lists(st.lists(st.integers(0, V - 1), min_size=2, max_size=2), min_size=1, max_size=2),  # valid, 2 shapes
     st.lists(st.lists(token, max_size=3), max_size=3), st.lists(token, max_size=3),
