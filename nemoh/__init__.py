@@ -2,8 +2,8 @@
 
 from nemoh.compile_cache import enable_default_cache, set_compilation_cache
 from nemoh.config import NemotronHConfig
-from nemoh.errors import (CacheCapacityError, CheckpointError, ConfigError, NemohError, RequestError,
-                          StaleCarryError)
+from nemoh.errors import (CacheCapacityError, CheckpointError, ConfigError, NemohError, NonFiniteError,
+                          RequestError, StaleCarryError)
 from nemoh.io.loader import load
 from nemoh.io.persist import save
 from nemoh.io.save_hf import save_hf
@@ -19,5 +19,6 @@ __all__ = [
     "set_compilation_cache",
     "NemotronHConfig", "ModelParams", "CacheSpec", "load", "save", "save_hf", "random_params", "forward", "generate",
     "register_mixer", "Tokenizer", "load_tokenizer", "generate_text",
-    "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "StaleCarryError",
+    "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "NonFiniteError",
+    "StaleCarryError",
 ]

@@ -15,11 +15,17 @@ class CheckpointError(NemohError, ValueError):
 
 
 class CacheCapacityError(NemohError, ValueError):
-    """A request that cannot fit the KV page pool or the sequence slots; raised before any work."""
+    """A request that cannot fit the KV page pool or device memory; raised before any work."""
 
 
 class RequestError(NemohError, ValueError):
-    """A malformed generation request: empty prompt, token id outside the vocabulary, bad options."""
+    """A bad argument to a public entry point (generate, forward, load, prefill, decode, CacheSpec, the
+    gate): names the argument, the value and what is allowed."""
+
+
+class NonFiniteError(NemohError, FloatingPointError):
+    """NaN or Inf logits met during prefill or decode (names the prompts and the step); raised after
+    the call instead of returning tokens sampled from them."""
 
 
 class StaleCarryError(NemohError, RuntimeError):

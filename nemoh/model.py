@@ -13,10 +13,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from nemoh import validate
 from nemoh.config import NemotronHConfig
-from nemoh.errors import RequestError
 from nemoh.layers.attention import AttentionParams, attention_mixer
 from nemoh.layers.context import TokenContext
 from nemoh.layers.mamba2 import MambaParams, mamba2_mixer
@@ -146,26 +145,10 @@ def forward(params: ModelParams, tokens) -> jax.Array:
     Concrete token ids are checked against the vocabulary (RequestError); under an outer jit they
     cannot be, and out-of-range ids would silently clamp, so validate before tracing.
     """
+    validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
     if not isinstance(tokens, jax.core.Tracer):
-        tokens = check_token_ids(tokens, params.config.vocab_size)
+        tokens = validate.check_token_ids(tokens, params.config.vocab_size)
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]
     return _forward(params, tokens)
-
-
-def check_token_ids(tokens, vocab_size: int) -> np.ndarray:
-    """A concrete int array of token ids, or RequestError naming the first bad id and its index."""
-    arr = np.asarray(tokens)
-    if arr.size == 0:
-        raise RequestError("token ids are empty")
-    if arr.dtype.kind not in "iu":
-        raise RequestError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.ndim not in (1, 2):
-        raise RequestError(f"token ids must be 1-D or 2-D, got shape {list(arr.shape)}")
-    bad = np.argwhere((arr < 0) | (arr >= vocab_size))
-    if bad.size:
-        where = tuple(int(i) for i in bad[0])
-        raise RequestError(f"token id {int(arr[where])} at index {list(where)} is outside the vocabulary "
-                           f"[0, {vocab_size})")
-    return arr

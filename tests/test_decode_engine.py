@@ -1,4 +1,4 @@
-"""Issue 3 acceptance: the token gate (STRICT in fp32 on every tiny checkpoint), the stale-input
+"""The token gate (STRICT in fp32 on every tiny checkpoint), the stale-input
 red-before proof, prefill+decode logits vs forward, the carry, capacity, bad requests, sampling."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from nemoh import oracle
 from nemoh.engine.decode import decode
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import prefill
-from nemoh.engine.sampling import Sampling, sample
+from nemoh.engine.sampling import Sampling, SamplingState, sample
 from nemoh.gate import compare, default_prompts
 from nemoh.layers.mamba2 import MambaState
 
@@ -142,7 +142,7 @@ def test_capacity_errors(params):
     ([[1]], {"top_k": 0}, "top_k=0"),
     ([[1]], {"top_p": 1.5}, "top_p=1.5"),
     ([[1]], {"top_p": 0.0}, "top_p=0.0"),
-    ([[1]], {"stop_token_ids": [999]}, "stop token id 999"),
+    ([[1]], {"stop_token_ids": [999]}, r"stop_token_ids\[0\]=999: must be an integer token id"),
 ])
 def test_bad_requests(params, prompts, kwargs, match):
     kwargs = {"max_new_tokens": 3, **kwargs}
@@ -160,23 +160,32 @@ def test_sampling_determinism_and_topk1(params):
     assert nemoh.generate(params, p, max_new_tokens=8, temperature=1.0, top_k=1, seed=9, ignore_eos=True) == greedy
 
 
+def _state(rows, temperature=1.0, top_k=None, top_p=1.0):
+    return SamplingState(temperature=jnp.full((rows,), temperature, jnp.float32),
+                         top_k=jnp.full((rows,), top_k or 10**6, jnp.int32),
+                         top_p=jnp.full((rows,), top_p, jnp.float32),
+                         keys=jnp.arange(2 * rows, dtype=jnp.uint32).reshape(rows, 2))
+
+
 def test_sampled_tokens_stay_in_support():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 12)) * 2, jnp.float32)
-    keys = jax.random.split(jax.random.PRNGKey(0), 300)
-    draw = jax.jit(jax.vmap(sample, in_axes=(None, 0, None)), static_argnums=2)
-    topk = np.asarray(draw(logits, keys, Sampling(temperature=1.0, top_k=3)))
+    draw = jax.jit(jax.vmap(lambda s, n: sample(logits, s, jnp.full((4,), n, jnp.int32)), in_axes=(None, 0)))
+    steps = jnp.arange(300)
+    topk = np.asarray(draw(_state(4, top_k=3), steps))
     allowed = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
     assert all(set(topk[:, b]) <= set(allowed[b]) for b in range(4))
     assert all(len(set(topk[:, b])) == 3 for b in range(4))
-    topp = np.asarray(draw(logits, keys, Sampling(temperature=1.0, top_p=0.6)))
+    topp = np.asarray(draw(_state(4, top_p=0.6), steps))
     probs = np.asarray(jax.nn.softmax(logits, -1))
     for b in range(4):
         order = np.argsort(-probs[b])
         before = np.cumsum(probs[b][order]) - probs[b][order]
         nucleus = set(order[before < 0.6])
         assert set(topp[:, b]) <= nucleus and len(set(topp[:, b])) == len(nucleus)
-    full = np.asarray(draw(logits, keys, Sampling(temperature=50.0)))
+    full = np.asarray(draw(_state(4, temperature=50.0), steps))
     assert all(len(set(full[:, b])) == 12 for b in range(4))
+    greedy = np.asarray(draw(_state(4, temperature=0.0), steps[:3]))
+    assert (greedy == np.argmax(np.asarray(logits), -1)).all()
 
 
 def test_stops_streaming_and_input_forms(params):

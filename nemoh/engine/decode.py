@@ -2,7 +2,8 @@
 
 The sampled token is written into the carry on the device and is the next step's input: there is
 no host round trip per token. `decode(params, carry, num_steps)` runs up to num_steps steps inside
-one jax.lax.while_loop (stopping early once every slot is finished) per host call.
+one jax.lax.while_loop (stopping early once every slot is finished) per host call; num_steps and the
+sampling settings are runtime values, so any of them reuses the same compiled program.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from nemoh.engine.carry import DecodeCarry, check_live, consume
-from nemoh.engine.sampling import Sampling, sample
+from nemoh import validate
+from nemoh.engine.carry import DecodeCarry, check_live, check_matches, consume, raise_if_nonfinite
+from nemoh.engine.sampling import sample
 from nemoh.layers.context import TokenContext
 from nemoh.model import ModelParams, logits_from_hidden, run_layers
 
@@ -23,52 +26,58 @@ def next_input(carry: DecodeCarry, sampled: jax.Array) -> jax.Array:
     return sampled
 
 
-def step(params: ModelParams, carry: DecodeCarry, sampling: Sampling) -> DecodeCarry:
-    """One token for every live slot; finished slots are left untouched (no KV write, no state change)."""
+def step(params: ModelParams, carry: DecodeCarry) -> DecodeCarry:
+    """One token for every live slot; finished slots are left untouched (no KV write, no state change).
+    A live slot whose logits are not finite is flagged (nonfinite) and finished."""
     live = ~carry.finished
     ctx = TokenContext(positions=carry.lengths[:, None], valid_len=live.astype(jnp.int32),
                        block_tables=carry.block_tables)
     h, states = run_layers(params, carry.tokens[:, None], ctx, carry.states)
     logits = logits_from_hidden(params, h[:, 0])
-    rng, key = jax.random.split(carry.rng)
-    sampled = sample(logits, key, sampling)
-    B, max_new = carry.out_tokens.shape
-    slot = jnp.minimum(carry.num_generated, max_new - 1)
-    out = carry.out_tokens.at[jnp.arange(B), slot].set(jnp.where(live, sampled, carry.out_tokens[jnp.arange(B), slot]))
+    sampled = sample(logits, carry.sampling, carry.num_generated)
+    bad = live & ~jnp.all(jnp.isfinite(logits), axis=-1)
+    lengths = carry.lengths + live
+    rows = jnp.arange(lengths.shape[0])
+    at = jnp.where(live, lengths, carry.sequences.shape[1])  # finished slots write nothing
     num_generated = carry.num_generated + live
-    finished = carry.finished | (live & jnp.isin(sampled, carry.stop_ids)) | (num_generated >= max_new)
     return DecodeCarry(
         tokens=jnp.where(live, next_input(carry, sampled), carry.tokens),
-        lengths=carry.lengths + live,
+        lengths=lengths,
         states=states,
         block_tables=carry.block_tables,
-        finished=finished,
-        rng=rng,
-        out_tokens=out,
+        sequences=carry.sequences.at[rows, at].set(sampled, mode="drop"),
         num_generated=num_generated,
+        max_new=carry.max_new,
+        finished=carry.finished | (live & jnp.isin(sampled, carry.stop_ids)) | (num_generated >= carry.max_new) | bad,
+        nonfinite=carry.nonfinite | bad,
         logits=jnp.where(live[:, None], logits, carry.logits),
         stop_ids=carry.stop_ids,
+        sampling=carry.sampling,
     )
 
 
-@partial(jax.jit, static_argnames=("sampling", "num_steps"), donate_argnums=(1,))
-def _decode(params: ModelParams, carry: DecodeCarry, sampling: Sampling, num_steps: int) -> DecodeCarry:
+@partial(jax.jit, donate_argnums=(1,))
+def _decode(params: ModelParams, carry: DecodeCarry, num_steps: jax.Array) -> DecodeCarry:
     def cond(state):
         i, c = state
         return (i < num_steps) & ~jnp.all(c.finished)
 
     def body(state):
         i, c = state
-        return i + 1, step(params, c, sampling)
+        return i + 1, step(params, c)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), carry))[1]
 
 
-def decode(params: ModelParams, carry: DecodeCarry, num_steps: int = 1, sampling: Sampling = Sampling()
-           ) -> DecodeCarry:
+def decode(params: ModelParams, carry: DecodeCarry, num_steps: int = 1) -> DecodeCarry:
     """Run up to num_steps decode steps on the device; returns the new carry and consumes the old one
-    (passing it again raises StaleCarryError)."""
+    (passing it again raises StaleCarryError). NaN/Inf logits raise NonFiniteError after the call."""
+    validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
+    validate.instance("carry", carry, DecodeCarry, "a DecodeCarry (from prefill or decode)")
+    num_steps = validate.integer("num_steps", num_steps, 1, validate.INT32_MAX)
     check_live(carry)
-    new = _decode(params, carry, sampling, num_steps)
+    check_matches(params, carry)
+    new = _decode(params, carry, np.int32(num_steps))
     consume(carry)
+    raise_if_nonfinite(new)
     return new

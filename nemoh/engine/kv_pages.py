@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from nemoh import validate
 from nemoh.config import ATTENTION, NemotronHConfig
 from nemoh.errors import CacheCapacityError, RequestError
 
@@ -13,19 +14,19 @@ from nemoh.errors import CacheCapacityError, RequestError
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """How big the KV pool is: `num_pages` pages, or as many as fit `memory_budget_bytes` (over all
-    attention layers, K and V), or (both None) exactly what the request needs."""
+    attention layers, K and V), or (both None) the request's bucket: a full row of pages for every
+    batch slot, shrunk to exactly the request's pages only when the bucket would not fit in memory."""
 
     page_size: int = 16
     num_pages: int | None = None
     memory_budget_bytes: int | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.page_size, int) and self.page_size >= 1):
-            raise RequestError(f"page_size={self.page_size!r}: must be an integer >= 1")
+        validate.integer("page_size", self.page_size, 1, validate.INT32_MAX)
+        validate.optional(validate.integer, "num_pages", self.num_pages, 1, validate.INT32_MAX)
+        validate.optional(validate.integer, "memory_budget_bytes", self.memory_budget_bytes, 1)
         if self.num_pages is not None and self.memory_budget_bytes is not None:
             raise RequestError("give num_pages or memory_budget_bytes, not both")
-        if self.num_pages is not None and not (isinstance(self.num_pages, int) and self.num_pages >= 1):
-            raise RequestError(f"num_pages={self.num_pages!r}: must be an integer >= 1")
 
 
 def page_bytes(cfg: NemotronHConfig, page_size: int, itemsize: int) -> int:
@@ -33,32 +34,39 @@ def page_bytes(cfg: NemotronHConfig, page_size: int, itemsize: int) -> int:
     return 2 * len(cfg.layers_of(ATTENTION)) * page_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
-def allocate(cfg: NemotronHConfig, spec: CacheSpec, token_budgets: list[int], itemsize: int
-             ) -> tuple[int, np.ndarray]:
-    """Give each sequence contiguous pages for `token_budgets[i]` tokens (prompt + new tokens).
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
 
-    Returns (num_pages in the pool, block_tables [B, P] int32). Raises CacheCapacityError, naming
-    the need and the capacity, before any device work when the request does not fit.
-    """
-    need = [-(-t // spec.page_size) for t in token_budgets]
-    total = sum(need)
+
+def pool_sizes(cfg: NemotronHConfig, spec: CacheSpec, token_budgets: list[int], bucket_pages: int,
+               itemsize: int) -> list[int]:
+    """Pool sizes to try, preferred first, for sequences of `token_budgets[i]` tokens (prompt + new):
+    the user's num_pages / budget, or the bucket (`bucket_pages`) then exactly the pages needed.
+    Raises CacheCapacityError naming the need and the capacity when the user's pool is too small."""
+    total = sum(pages_for(t, spec.page_size) for t in token_budgets)
+    if spec.num_pages is None and spec.memory_budget_bytes is None:
+        return sorted({bucket_pages, total}, reverse=True)
     if spec.num_pages is not None:
         capacity, source = spec.num_pages, f"num_pages={spec.num_pages}"
-    elif spec.memory_budget_bytes is not None:
+    else:
         per_page = max(page_bytes(cfg, spec.page_size, itemsize), 1)
         capacity = spec.memory_budget_bytes // per_page
         source = f"memory_budget_bytes={spec.memory_budget_bytes} ({per_page} bytes a page)"
-    else:
-        capacity, source = total, "sized to the request"
     if total > capacity:
         raise CacheCapacityError(
             f"the request needs {total} KV pages of {spec.page_size} tokens ({sum(token_budgets)} tokens over "
-            f"{len(token_budgets)} sequences), but the pool holds {capacity} ({source})"
+            f"{len(token_budgets)} sequences), "
+            f"but the pool holds {capacity} ({source})"
         )
-    P = max(need)
-    tables = np.zeros((len(need), P), np.int32)
+    return [capacity]
+
+
+def block_tables(token_budgets: list[int], page_size: int, rows: int, width: int) -> np.ndarray:
+    """[rows, width] int32: sequence i gets the next pages_for(token_budgets[i]) contiguous pages; the
+    rest of each row (and every row past the sequences) is 0 and never written."""
+    tables = np.zeros((rows, width), np.int32)
     start = 0
-    for i, n in enumerate(need):
+    for i, n in enumerate(pages_for(t, page_size) for t in token_budgets):
         tables[i, :n] = np.arange(start, start + n)
         start += n
-    return max(capacity, 1), tables
+    return tables

@@ -1,99 +1,121 @@
 """Prefill: a ragged batch of prompts through the model in chunks, building the decode carry.
 
-Prompts are right-padded to a whole number of chunks; each chunk runs with the carried states
-threaded through, padding rows masked (no KV write, no Mamba state change), and each sequence's
-last real hidden state kept for its first sampled token.
+One compiled program per layout (see layout.py): the prompts sit right-padded in the carry's
+`sequences` buffer; a loop on the device runs as many chunks as the longest prompt needs, threading
+the states through, padding rows masked (no KV write, no Mamba state change), and keeps each
+sequence's last real hidden state; then the first new token is sampled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemoh.config import ATTENTION, MAMBA
-from nemoh.engine.carry import DecodeCarry
-from nemoh.engine.kv_pages import CacheSpec, allocate
-from nemoh.engine.sampling import Sampling, sample
-from nemoh.layers.attention import KVPages
+from nemoh import validate
+from nemoh.engine.carry import DecodeCarry, initial_states, raise_if_nonfinite
+from nemoh.engine.kv_pages import CacheSpec, block_tables
+from nemoh.engine.layout import MAX_ROW_TOKENS, Layout, plan
+from nemoh.engine.sampling import Sampling, SamplingState, sample, sampling_state
 from nemoh.layers.context import TokenContext
-from nemoh.layers.mamba2 import MambaState
 from nemoh.model import ModelParams, logits_from_hidden, run_layers
 
 
-def initial_states(params: ModelParams, batch: int, num_pages: int, page_size: int) -> tuple:
-    """Zero state per layer: MambaState for Mamba layers, a KV pool for attention, None otherwise."""
-    cfg = params.config
-    out = []
-    for kind in cfg.layer_kinds:
-        if kind == MAMBA:
-            out.append(MambaState.zeros(cfg, batch, params.dtype))
-        elif kind == ATTENTION:
-            out.append(KVPages.zeros(cfg, num_pages, page_size, params.dtype))
-        else:
-            out.append(None)
-    return tuple(out)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillInputs:
+    """Host-built inputs for `rows` slots: sequences [rows, T] int32 (prompts, right-padded);
+    lengths, max_new [rows] int32 (0 for dummy rows); block_tables [rows, P] int32; stop_ids [S] int32."""
+
+    sequences: jax.Array
+    lengths: jax.Array
+    max_new: jax.Array
+    block_tables: jax.Array
+    stop_ids: jax.Array
+    sampling: SamplingState
 
 
-@partial(jax.jit, donate_argnums=(1, 2))
-def _prefill_chunk(params: ModelParams, states: tuple, last_hidden: jax.Array, tokens: jax.Array,
-                   ctx: TokenContext, lengths: jax.Array) -> tuple[tuple, jax.Array]:
-    """One chunk [B, C]; keeps the hidden state of rows whose last real token is in this chunk."""
-    h, states = run_layers(params, tokens, ctx, states)
-    start = ctx.positions[:, 0]
-    ends_here = (start < lengths) & (lengths <= start + tokens.shape[1])
-    last_row = jnp.clip(ctx.valid_len - 1, 0, tokens.shape[1] - 1)
-    row_h = jnp.take_along_axis(h, last_row[:, None, None], axis=1)[:, 0]
-    return states, jnp.where(ends_here[:, None], row_h, last_hidden)
+@partial(jax.jit, static_argnames=("chunk", "num_pages", "page_size"), donate_argnums=(1,))
+def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, page_size: int) -> DecodeCarry:
+    rows = x.lengths.shape[0]
+    positions = jnp.arange(chunk, dtype=jnp.int32)[None, :]
 
+    def run_chunk(c, state):
+        states, last_hidden = state
+        start = c * chunk
+        valid = jnp.clip(x.lengths - start, 0, chunk)
+        ctx = TokenContext(positions=jnp.broadcast_to(start + positions, (rows, chunk)), valid_len=valid,
+                           block_tables=x.block_tables)
+        h, states = run_layers(params, jax.lax.dynamic_slice_in_dim(x.sequences, start, chunk, axis=1), ctx, states)
+        row_h = jnp.take_along_axis(h, jnp.clip(valid - 1, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        ends_here = (valid > 0) & (x.lengths <= start + chunk)
+        return states, jnp.where(ends_here[:, None], row_h, last_hidden)
 
-@partial(jax.jit, static_argnames=("sampling", "max_new_tokens"), donate_argnums=(1,))
-def _first_token(params: ModelParams, states: tuple, last_hidden: jax.Array, lengths: jax.Array,
-                 block_tables: jax.Array, rng: jax.Array, stop_ids: jax.Array, sampling: Sampling,
-                 max_new_tokens: int) -> DecodeCarry:
+    n_chunks = (jnp.max(x.lengths) + chunk - 1) // chunk
+    start_state = (initial_states(params.config, params.dtype, rows, num_pages, page_size),
+                   jnp.zeros((rows, params.config.hidden_size), params.dtype))
+    states, last_hidden = jax.lax.fori_loop(0, n_chunks, run_chunk, start_state)
     logits = logits_from_hidden(params, last_hidden)
-    rng, key = jax.random.split(rng)
-    tok = sample(logits, key, sampling)
-    B = tok.shape[0]
-    out = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(tok)
-    finished = jnp.isin(tok, stop_ids) | (max_new_tokens <= 1)
-    return DecodeCarry(tokens=tok, lengths=lengths, states=states, block_tables=block_tables,
-                       finished=finished, rng=rng, out_tokens=out, num_generated=jnp.ones((B,), jnp.int32),
-                       logits=logits, stop_ids=stop_ids)
+    real = x.lengths > 0
+    tok = sample(logits, x.sampling, jnp.zeros_like(x.lengths))
+    nonfinite = real & ~jnp.all(jnp.isfinite(logits), axis=-1)
+    at = jnp.where(real, x.lengths, x.sequences.shape[1])  # dummy rows write nothing
+    num_generated = real.astype(jnp.int32)
+    return DecodeCarry(
+        tokens=tok, lengths=x.lengths, states=states, block_tables=x.block_tables,
+        sequences=x.sequences.at[jnp.arange(rows), at].set(tok, mode="drop"),
+        num_generated=num_generated, max_new=x.max_new,
+        finished=~real | jnp.isin(tok, x.stop_ids) | (num_generated >= x.max_new) | nonfinite,
+        nonfinite=nonfinite, logits=logits, stop_ids=x.stop_ids, sampling=x.sampling,
+    )
 
 
-def chunk_length(longest: int, prefill_chunk: int) -> int:
-    """Chunk width: prefill_chunk, or the next power of two >= the longest prompt (min 16) if smaller.
-    Bucketing to powers of two bounds the number of compiled shapes."""
-    return min(prefill_chunk, max(16, 1 << (longest - 1).bit_length()))
-
-
-def prefill(params: ModelParams, prompts: list[np.ndarray], *, max_new_tokens: int, sampling: Sampling,
-            stop_ids: tuple[int, ...], seed: int, cache: CacheSpec, prefill_chunk: int = 256) -> DecodeCarry:
-    """Run the prompts (already validated, non-empty) and sample each one's first new token."""
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    B = len(prompts)
-    num_pages, tables = allocate(params.config, cache, [int(n) + max_new_tokens for n in lengths],
-                                 jnp.dtype(params.dtype).itemsize)
-    C = chunk_length(int(lengths.max()), prefill_chunk)
-    n_chunks = -(-int(lengths.max()) // C)
-    padded = np.zeros((B, n_chunks * C), np.int32)
+def _inputs(prompts: list[np.ndarray], lay: Layout, max_new_tokens: int, stop_ids: tuple[int, ...],
+            sampling: SamplingState) -> PrefillInputs:
+    n = len(prompts)
+    budgets = [len(p) + max_new_tokens for p in prompts]
+    sequences = np.zeros((lay.rows, lay.row_tokens), np.int32)
     for i, p in enumerate(prompts):
-        padded[i, : len(p)] = p
-    states = initial_states(params, B, num_pages, cache.page_size)
-    last_hidden = jnp.zeros((B, params.config.hidden_size), params.dtype)
-    block_tables = jnp.asarray(tables)
-    for c in range(n_chunks):
-        start = c * C
-        ctx = TokenContext(
-            positions=jnp.asarray(np.broadcast_to(np.arange(start, start + C, dtype=np.int32), (B, C))),
-            valid_len=jnp.asarray(np.clip(lengths - start, 0, C).astype(np.int32)),
-            block_tables=block_tables,
-        )
-        states, last_hidden = _prefill_chunk(params, states, last_hidden, jnp.asarray(padded[:, start : start + C]), ctx,
-                                              jnp.asarray(lengths))
-    return _first_token(params, states, last_hidden, jnp.asarray(lengths), block_tables,
-                        jax.random.PRNGKey(seed), jnp.asarray(stop_ids, jnp.int32).reshape(-1),
-                        sampling=sampling, max_new_tokens=max_new_tokens)
+        sequences[i, : len(p)] = p
+    stops = np.full(lay.stop_slots, -1, np.int32)
+    stops[: len(stop_ids)] = stop_ids
+    pad = [0] * (lay.rows - n)
+    return PrefillInputs(
+        sequences=sequences,
+        lengths=np.array([len(p) for p in prompts] + pad, np.int32),
+        max_new=np.array([max_new_tokens] * n + pad, np.int32),
+        block_tables=block_tables(budgets, lay.page_size, lay.rows, lay.pages_per_row),
+        stop_ids=stops,
+        sampling=sampling,
+    )
+
+
+def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
+            stop_ids=(), seed=0, cache: CacheSpec = CacheSpec(), prefill_chunk: int = 256) -> DecodeCarry:
+    """Run the prompts and sample each one's first new token; returns the carry for `decode`.
+
+    prompts: as generate takes them. sampling: one Sampling (values per prompt or for all); seed: an
+    integer for every prompt or a list of one per prompt (any size, used whole); stop_ids: token ids
+    that end a sequence. Every argument is checked (RequestError) and the request's memory need
+    (CacheCapacityError) before any device work; NaN/Inf logits raise NonFiniteError.
+    """
+    validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
+    cfg = params.config
+    prompts = validate.prompt_list(prompts, cfg.vocab_size)
+    longest = max(len(p) for p in prompts)
+    max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, 1, MAX_ROW_TOKENS - longest)
+    validate.instance("sampling", sampling, Sampling, "a Sampling")
+    stop_ids = tuple(dict.fromkeys(validate.token_id_list("stop_ids", stop_ids, cfg.vocab_size)))
+    seeds = validate.per_row("seed", seed, len(prompts), validate.seed)
+    validate.instance("cache", cache, CacheSpec, "a CacheSpec")
+    prefill_chunk = validate.integer("prefill_chunk", prefill_chunk, 1, MAX_ROW_TOKENS)
+    lay = plan(cfg, [len(p) for p in prompts], max_new_tokens, cache, prefill_chunk, len(stop_ids),
+               jnp.dtype(params.dtype).itemsize, next(iter(params.embed.devices())))
+    state = sampling_state(sampling, seeds, prompts, cfg.vocab_size, lay.rows)
+    x = jax.device_put(_inputs(prompts, lay, max_new_tokens, stop_ids, state))
+    carry = _prefill(params, x, chunk=lay.chunk, num_pages=lay.num_pages, page_size=lay.page_size)
+    raise_if_nonfinite(carry)
+    return carry

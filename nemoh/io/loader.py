@@ -4,7 +4,8 @@ Reads config.json, then each tensor on its own (HF keys backbone.layers.{i}.mixe
 shape and dtype against the config, converts it, and drops the host copy before the next one, so host
 memory stays near the size of the result. Experts are stacked along a leading axis. Quantised
 (ModelOpt) linears stay packed. Only JSON and safetensors are read: nothing in the checkpoint runs.
-A missing, unexpected, mis-shaped or unreadable tensor raises CheckpointError naming it and its file.
+A missing, unexpected, mis-shaped or unreadable tensor raises CheckpointError naming it and its file,
+and so does a tensor holding NaN or Inf (checked on the device, one small read at the end).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from nemoh import validate
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 from nemoh.errors import CheckpointError
 from nemoh.io.modelopt import QuantSpec, read_kv_scales, read_linear
@@ -24,6 +26,7 @@ from nemoh.layers.mamba2 import MambaParams
 from nemoh.layers.mlp import MLPParams
 from nemoh.layers.moe import MoEParams
 from nemoh.model import ModelParams
+from nemoh.quant import FP8Weight
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 EMBEDDING_KEYS = ("backbone.embeddings.weight", "backbone.embedding.weight")
@@ -31,14 +34,24 @@ PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar from 1 GiB of weights on
 IGNORED_PREFIXES = ("mtp.",)  # multi-token-prediction heads: not used for decoding
 
 
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(x))
+
+
 class _Reader:
-    """Reads the tensors of one checkpoint in the param dtype, with the quantisation spec applied.
+    """Reads the tensors of one checkpoint in the param dtype, with the quantisation spec applied, and
+    keeps a device-side "all finite" flag per float tensor (as converted) for `check_finite`.
 
     `build_params` asks a reader for tensors by HF name; nemoh.random_params passes one that draws them.
     """
 
     def __init__(self, src: TensorSource, spec: QuantSpec | None, dtype):
         self.src, self.spec, self.dtype = src, spec, dtype
+        self.finite: list[tuple[str, jax.Array]] = []
+
+    def _track(self, name: str, x: jax.Array) -> None:
+        self.finite.append((name, _all_finite(x)))
 
     def has(self, name: str) -> bool:
         return self.src.has(name)
@@ -49,10 +62,23 @@ class _Reader:
         read_kv_scales(self.src, module_prefix)
 
     def vector(self, name: str, shape: tuple[int, ...], dtype=None) -> jax.Array:
-        return jnp.asarray(self.src.get(name, shape=shape, dtypes=FLOAT_DTYPES), dtype or self.dtype)
+        x = jnp.asarray(self.src.get(name, shape=shape, dtypes=FLOAT_DTYPES), dtype or self.dtype)
+        self._track(name, x)
+        return x
 
     def linear(self, module: str, out_dim: int, in_dim: int):
-        return read_linear(self.src, module, self.spec, (out_dim, in_dim), self.dtype)
+        w = read_linear(self.src, module, self.spec, (out_dim, in_dim), self.dtype)
+        if isinstance(w, (jax.Array, FP8Weight)):  # NVFP4 codes cannot be NaN; its scales are checked on read
+            self._track(module + ".weight", w.data if isinstance(w, FP8Weight) else w)
+        return w
+
+    def check_finite(self) -> None:
+        """CheckpointError naming the first tensor (and its file) that holds NaN or Inf."""
+        flags = jax.device_get([flag for _, flag in self.finite])
+        bad = next((name for (name, _), ok in zip(self.finite, flags) if not ok), None)
+        if bad is not None:
+            raise CheckpointError(f"tensor {bad} in {self.src.file_of(bad)}: holds NaN or Inf values "
+                                  f"(as loaded in {self.dtype})")
 
     def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
         """One [E, out, in] weight (of any type) from E per-expert modules."""
@@ -156,13 +182,15 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
     """Load a NemotronH checkpoint directory: Hugging Face layout (config.json + model.safetensors or an
     index of shards, ModelOpt-quantised or not), or a directory written by nemoh.save.
 
-    dtype: the dtype of dense weights and activations (router and SSM parameters stay fp32); None means
-    bfloat16 for a Hugging Face checkpoint and the saved dtype for a nemoh.save directory, which is
+    dtype: the dtype of dense weights and activations, float32, bfloat16 or float16 (router and SSM
+    parameters stay fp32); None means bfloat16 for a Hugging Face checkpoint and the saved dtype for a nemoh.save directory, which is
     restored exactly as saved (another dtype is refused). progress: show a progress bar (default: only
     for checkpoints of 1 GiB and more). sharding: where a nemoh.save directory's leaves go (see
     nemoh.io.persist.restore).
     """
-    path = Path(path)
+    path = validate.path("path", path)
+    dtype = None if dtype is None else validate.float_dtype("dtype", dtype)
+    validate.optional(validate.boolean, "progress", progress)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if is_saved_params(path):
@@ -191,4 +219,5 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
         shown = ", ".join(f"{n} (in {src.file_of(n)})" for n in unexpected[:5])
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise CheckpointError(f"unexpected tensors not used by the {cfg.pattern!r} model: {shown}{more}")
+    reader.check_finite()
     return params

@@ -1,0 +1,66 @@
+"""The static shapes a request compiles to, rounded up to a few buckets so that requests of other
+sizes reuse the same compiled programs, and checked against free device memory before any work.
+
+Buckets (powers of two with a minimum): batch slots 16, 32, 64, ... (rows past the prompts are
+finished dummy rows); per-row capacity (longest prompt + max_new_tokens) 1024, 2048, ... tokens;
+stop-id slots 8, 16, ...  The prefill chunk width is min(prefill_chunk, row capacity). Sampling
+settings, the number of prompt chunks and the number of decode steps are runtime values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nemoh.config import NemotronHConfig
+from nemoh.engine.kv_pages import CacheSpec, pages_for, pool_sizes
+from nemoh.engine.memory import free_bytes, request_bytes
+from nemoh.errors import CacheCapacityError
+
+MIN_ROWS = 16
+MIN_ROW_TOKENS = 1024
+MAX_ROW_TOKENS = 2**30  # positions stay well inside int32
+MIN_STOP_SLOTS = 8
+
+
+def bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum) (minimum a power of two)."""
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """rows: batch slots; chunk: prefill chunk width; row_tokens: per-row capacity, a multiple of chunk;
+    pages_per_row: block-table width; num_pages: KV pool size; stop_slots: stop-id table width."""
+
+    rows: int
+    chunk: int
+    row_tokens: int
+    page_size: int
+    pages_per_row: int
+    num_pages: int
+    stop_slots: int
+
+
+def plan(cfg: NemotronHConfig, lengths: list[int], max_new_tokens: int, cache: CacheSpec, prefill_chunk: int,
+         num_stops: int, itemsize: int, device) -> Layout:
+    """The layout of a request of prompts of `lengths`: the bucketed pool when it fits `device`'s free
+    memory, else the exact one; CacheCapacityError (need and free memory) when neither fits."""
+    budgets = [n + max_new_tokens for n in lengths]
+    capacity = bucket(max(budgets), MIN_ROW_TOKENS)
+    rows = bucket(len(lengths), MIN_ROWS)
+    chunk = min(prefill_chunk, capacity)
+    row_tokens = -(-capacity // chunk) * chunk
+    pages_per_row = pages_for(row_tokens, cache.page_size)
+    free, source = free_bytes(device)
+    for num_pages in pool_sizes(cfg, cache, budgets, rows * pages_per_row, itemsize):
+        lay = Layout(rows, chunk, row_tokens, cache.page_size, pages_per_row, num_pages,
+                     bucket(num_stops, MIN_STOP_SLOTS))
+        need = request_bytes(cfg, lay, itemsize)
+        if sum(need.values()) <= free:
+            return lay
+    parts = ", ".join(f"{k} {v:.3g}" for k, v in need.items())
+    raise CacheCapacityError(
+        f"the request ({len(lengths)} prompts, longest {max(lengths)} tokens, max_new_tokens={max_new_tokens}) "
+        f"needs about {sum(need.values()):.3g} bytes of device memory ({parts}), but only {free:.3g} bytes are "
+        f"free ({source})"
+    )
