@@ -198,7 +198,7 @@ def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceilin
         "hbm_fraction": moved["total"] / step_s / (ceiling * 1e9),
     }
     if profile:
-        hlo = _decode.lower(params, carry, Sampling(), steps).compile().as_text()
+        hlo = _decode.lower(params, carry, np.int32(steps)).compile().as_text()
         holder = [carry]
 
         def run():

@@ -37,7 +37,7 @@ def register_mixer(params_type: type, mixer: Mixer) -> None:
 register_mixer(MambaParams, lambda p, h, cfg, state, ctx: mamba2_mixer(p, h, cfg, state, ctx.valid_len))
 register_mixer(AttentionParams, attention_mixer)
 register_mixer(MLPParams, lambda p, h, cfg, state, ctx: (mlp_mixer(p, h), state))
-register_mixer(MoEParams, lambda p, h, cfg, state, ctx: (moe_mixer(p, h, cfg), state))
+register_mixer(MoEParams, lambda p, h, cfg, state, ctx: (moe_mixer(p, h, cfg, ctx.token_mask()), state))
 
 
 @jax.tree_util.register_dataclass

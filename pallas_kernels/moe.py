@@ -31,55 +31,66 @@ def block_rows_for(pairs: int, num_experts: int) -> int:
     return tm
 
 
-def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS):
-    """Group the T*k (token, expert) pairs by expert into blocks of tm slots.
+def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=None):
+    """Group the T*k (token, expert) pairs by expert into blocks of tm slots; the pairs of tokens with
+    valid[t] False get no slot.
 
     Returns (slot_pair int32 [B*tm]: pair index t*k+j in each slot, T*k for an empty slot;
     block_expert int32 [B]: expert of each block, -1 for unused blocks). B is a static bound.
     """
     pairs = expert_idx.size
     e = expert_idx.reshape(pairs).astype(jnp.int32)
+    if valid is not None:  # left-out pairs go to a sentinel expert past the last, sorted to the end
+        e = jnp.where(jnp.repeat(valid, expert_idx.shape[1]), e, num_experts)
     order = jnp.argsort(e, stable=True).astype(jnp.int32)
     e_sorted = e[order]
-    counts = jnp.zeros((num_experts,), jnp.int32).at[e].add(1)
+    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e].add(1)[:num_experts]
     blocks = -(-counts // tm)
     block_end = jnp.cumsum(blocks)
-    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_sorted]
-    slot = (block_end - blocks)[e_sorted] * tm + rank
+    e_kept = jnp.minimum(e_sorted, num_experts - 1)
+    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_kept]
     num_blocks = min(num_experts, pairs) + pairs // tm
-    slot_pair = jnp.full((num_blocks * tm,), pairs, jnp.int32).at[slot].set(order)
+    slot = jnp.where(e_sorted < num_experts, (block_end - blocks)[e_kept] * tm + rank, num_blocks * tm)
+    slot_pair = jnp.full((num_blocks * tm,), pairs, jnp.int32).at[slot].set(order, mode="drop")
     ids = jnp.arange(num_blocks, dtype=jnp.int32)
     block_expert = jnp.searchsorted(block_end, ids, side="right").astype(jnp.int32)
     return slot_pair, jnp.where(ids < block_end[-1], block_expert, -1)
 
 
-def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS):
+def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS, valid=None):
     """One block per (token, expert) pair, the pair in slot 0: no sort, for a single token (decode),
     whose k experts are distinct anyway. Same outputs as route_blocks."""
     pairs = expert_idx.size
     slots = jnp.arange(pairs * tm, dtype=jnp.int32)
     slot_pair = jnp.where(slots % tm == 0, slots // tm, pairs)
-    return slot_pair, expert_idx.reshape(pairs).astype(jnp.int32)
+    block_expert = expert_idx.reshape(pairs).astype(jnp.int32)
+    if valid is not None:  # a left-out token: every block unused, every slot empty
+        block_expert = jnp.where(valid[0], block_expert, -1)
+        slot_pair = jnp.where(valid[0], slot_pair, pairs)
+    return slot_pair, block_expert
 
 
-def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, impl=None,
+def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid=None, impl=None,
                 tiling: Tiling | None = None):
     """y[t] = sum_j expert_weight[t,j] * down[e] @ relu(up[e] @ x[t])^2, e = expert_idx[t,j].
 
     x [T, H] bf16/f32; expert_idx int32 [T, k]; expert_weight f32 [T, k]; up [E, F, H] and
-    down [E, H, F] as dense arrays, FP8Weight or NVFP4Weight (stacked along E). fp32 accumulation,
-    the hidden activation rounded to x.dtype between the projections; y [T, H] in x.dtype.
+    down [E, H, F] as dense arrays, FP8Weight or NVFP4Weight (stacked along E); valid [T] bool or None:
+    tokens left out get y[t] = 0 and read no expert weights. fp32 accumulation, the hidden activation
+    rounded to x.dtype between the projections; y [T, H] in x.dtype.
     """
     impl = resolve_impl(impl)
     if impl == "xla":
+        if valid is not None:
+            expert_weight = jnp.where(valid[:, None], expert_weight, 0.0)
         return reference.moe_experts(x, expert_idx, expert_weight, up, down)
     t, k = expert_idx.shape
     if t == 1:
         tm = MOE_BLOCK_ROWS
-        slot_pair, block_expert = pair_blocks(expert_idx, tm)
+        slot_pair, block_expert = pair_blocks(expert_idx, tm, valid)
     else:
         tm = block_rows_for(expert_idx.size, up.shape[0])
-        slot_pair, block_expert = route_blocks(expert_idx, up.shape[0], tm)
+        slot_pair, block_expert = route_blocks(expert_idx, up.shape[0], tm, valid)
     slot_token = slot_pair // k  # T for empty slots: the zero row appended below
     xb = jnp.concatenate([x, jnp.zeros_like(x[:1])])[slot_token]
     xb = xb.reshape(-1, tm, x.shape[1])

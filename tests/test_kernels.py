@@ -238,3 +238,21 @@ def test_moe_experts_prefill_blocks(fmt):
             ref[t] += float(weight[t, j]) * (down64[e] @ np.square(np.maximum(up64[e] @ x64[t], 0.0)))
     _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl=IMPL), ref, 8e-3, f"moe prefill {fmt} vs f64")
     _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl="xla"), ref, 5e-3, f"moe prefill xla {fmt}")
+
+
+@pytest.mark.parametrize("tokens", [1, 5])  # the one-token path and the sorted path
+def test_moe_left_out_tokens_read_no_experts(tokens):
+    """Tokens with valid False (padding, finished slots) get zero and read no expert weights: an expert
+    only they select may hold NaN."""
+    x, idx, weight, up, down = _moe_inputs("nvfp4", jnp.bfloat16)
+    x, idx, weight = x[:tokens], jnp.asarray(EXPERT_IDX[:tokens]), weight[:tokens]
+    valid = jnp.asarray([t % 2 == 1 or tokens == 1 for t in range(tokens)]) if tokens > 1 else jnp.asarray([False])
+    only_left_out = [e for e in range(E) if not (np.asarray(idx)[np.asarray(valid)] == e).any()]
+    poisoned_up, poisoned_down = up, down
+    for e in only_left_out:
+        poisoned_up, poisoned_down = _poison(poisoned_up, e), _poison(poisoned_down, e)
+    y = np.asarray(moe_experts(x, idx, weight, poisoned_up, poisoned_down, valid=valid, impl=IMPL), np.float32)
+    full = np.asarray(moe_experts(x, idx, weight, up, down, impl=IMPL), np.float32)
+    keep = np.asarray(valid)
+    assert np.isfinite(y).all() and (y[~keep] == 0).all()
+    np.testing.assert_array_equal(y[keep], full[keep])

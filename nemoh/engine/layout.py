@@ -1,8 +1,8 @@
 """The static shapes a request compiles to, rounded up to a few buckets so that requests of other
 sizes reuse the same compiled programs, and checked against free device memory before any work.
 
-Buckets (powers of two with a minimum): batch slots 16, 32, 64, ... (rows past the prompts are
-finished dummy rows); per-row capacity (longest prompt + max_new_tokens) 1024, 2048, ... tokens;
+Buckets (powers of two with a minimum): batch slots 1 for a single prompt, else 16, 32, 64, ... (rows
+past the prompts are finished dummy rows, which MoE layers route to no expert); per-row capacity (longest prompt + max_new_tokens) 1024, 2048, ... tokens;
 stop-id slots 8, 16, ...  The prefill chunk width is min(prefill_chunk, row capacity). Sampling
 settings, the number of prompt chunks and the number of decode steps are runtime values.
 """
@@ -27,6 +27,12 @@ def bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
+def row_bucket(n: int) -> int:
+    """Batch slots for n prompts: exactly 1 for one prompt (single-stream decode pays for no dummy
+    rows), else bucket(n, MIN_ROWS)."""
+    return 1 if n == 1 else bucket(n, MIN_ROWS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """rows: batch slots; chunk: prefill chunk width; row_tokens: per-row capacity, a multiple of chunk;
@@ -47,7 +53,7 @@ def plan(cfg: NemotronHConfig, lengths: list[int], max_new_tokens: int, cache: C
     memory, else the exact one; CacheCapacityError (need and free memory) when neither fits."""
     budgets = [n + max_new_tokens for n in lengths]
     capacity = bucket(max(budgets), MIN_ROW_TOKENS)
-    rows = bucket(len(lengths), MIN_ROWS)
+    rows = row_bucket(len(lengths))
     chunk = min(prefill_chunk, capacity)
     row_tokens = -(-capacity // chunk) * chunk
     pages_per_row = pages_for(row_tokens, cache.page_size)

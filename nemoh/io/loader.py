@@ -26,7 +26,7 @@ from nemoh.layers.mamba2 import MambaParams
 from nemoh.layers.mlp import MLPParams
 from nemoh.layers.moe import MoEParams
 from nemoh.model import ModelParams
-from nemoh.quant import FP8Weight
+from pallas_kernels import FP8Weight
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 EMBEDDING_KEYS = ("backbone.embeddings.weight", "backbone.embedding.weight")

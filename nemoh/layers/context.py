@@ -18,6 +18,10 @@ class TokenContext:
     valid_len: jax.Array
     block_tables: jax.Array | None = None
 
+    def token_mask(self) -> jax.Array:
+        """[b, T] bool: the real (non-padding) rows."""
+        return jnp.arange(self.positions.shape[1])[None, :] < self.valid_len[:, None]
+
     @staticmethod
     def full(batch: int, length: int) -> "TokenContext":
         """A fresh, unpadded block: rows at positions 0..length-1, no cache."""

@@ -59,13 +59,15 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: NemotronHConfig
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def moe_mixer(p: MoEParams, h: jax.Array, cfg: NemotronHConfig) -> jax.Array:
-    """h [..., H] (normed) -> [..., H]."""
+def moe_mixer(p: MoEParams, h: jax.Array, cfg: NemotronHConfig, valid: jax.Array | None = None) -> jax.Array:
+    """h [..., H] (normed) -> [..., H]. valid [...] bool: tokens to route (padding and finished or empty
+    batch slots are not sent to any expert, so they cost no expert weight reads); None routes all."""
     lead = h.shape[:-1]
     x = h.reshape(-1, h.shape[-1])
     idx, w = route(x, p.router, p.router_bias, cfg)
     xr = x if p.latent_in is None else linear(x, p.latent_in)
-    routed = moe_experts(xr, idx, w, p.experts_up, p.experts_down)
+    routed = moe_experts(xr, idx, w, p.experts_up, p.experts_down,
+                         valid=None if valid is None else valid.reshape(-1))
     if p.latent_out is not None:
         routed = linear(routed, p.latent_out)
     out = routed if p.shared_up is None else routed + relu2_mlp(p.shared_up, p.shared_down, x)
