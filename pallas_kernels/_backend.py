@@ -2,7 +2,7 @@
 
 impl: "pallas" (the Mosaic GPU kernel, compiled for the GPU), "interpret" (the same kernel body run
 on CPU by the Mosaic GPU interpreter, for CI), "xla" (the jnp reference). None picks "pallas" on a GPU
-backend and "xla" elsewhere.
+backend and "xla" elsewhere, and "xla" in programs that XLA partitions over a device mesh.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import functools
 
 import jax
 from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+from jax.sharding import AxisType
 
 IMPLS = ("pallas", "interpret", "xla")
 DEFAULT_NUM_SMS = 132  # H100 / H200 SXM: used where the device does not report its core count
@@ -33,12 +34,22 @@ def default_impl(impl: str):
         _default_override.pop()
 
 
+def compiler_partitioned() -> bool:
+    """Whether ops are being traced into a program that XLA splits over several devices itself (an
+    abstract mesh with non-manual axes of size > 1, as nemoh's sharded programs trace under). A Mosaic
+    GPU kernel is one custom call that XLA cannot split, so there impl=None means "xla"; inside shard_map
+    (manual axes: per-device operands) the kernels run."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(size > 1 and kind != AxisType.Manual for size, kind in zip(mesh.axis_sizes, mesh.axis_types))
+
+
 def resolve_impl(impl: str | None) -> str:
-    """Validate `impl`; None means the innermost `default_impl`, else "pallas" on GPU and "xla" otherwise."""
+    """Validate `impl`; None means the innermost `default_impl`, else "pallas" on GPU (outside programs
+    XLA partitions, see compiler_partitioned) and "xla" otherwise."""
     if impl is None:
         if _default_override:
             return _default_override[-1]
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return "pallas" if jax.default_backend() == "gpu" and not compiler_partitioned() else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     return impl

@@ -101,6 +101,9 @@ class FP8Weight:
 
     K_PER_ELEMENT: ClassVar[int] = 1  # logical K elements per streamed weight element
     BYTES_PER_SCALE_ROW: ClassVar[int | None] = None  # streamed weight bytes per block-scale row (none)
+    # the logical dims each stored leaf's dims hold ("*": the leading dims of [..., out, in]), so a
+    # sharding of the logical weight carries over to its leaves
+    LEAF_DIMS: ClassVar[dict[str, tuple[str, ...]]] = {"data": ("*", "out", "in"), "scale": ("*",)}
 
     @classmethod
     def from_hf(cls, data, scale) -> "FP8Weight":
@@ -146,6 +149,9 @@ class NVFP4Weight:
 
     K_PER_ELEMENT: ClassVar[int] = 2
     BYTES_PER_SCALE_ROW: ClassVar[int | None] = _GROUP_BYTES
+    # packed's in dim holds in/2 bytes, scale's (transposed) in dim in/16 blocks
+    LEAF_DIMS: ClassVar[dict[str, tuple[str, ...]]] = {"packed": ("*", "out", "in"), "scale": ("*", "in", "out"),
+                                                       "global_scale": ("*",)}
 
     @classmethod
     def from_hf(cls, packed, block_scale, global_scale) -> "NVFP4Weight":

@@ -31,9 +31,15 @@ def block_rows_for(pairs: int, num_experts: int) -> int:
     return tm
 
 
+def _pair_valid(valid, expert_idx):
+    """valid [T] (per token) or [T, k] (per pair) -> [T*k] bool, one per (token, expert) pair."""
+    t, k = expert_idx.shape
+    return jnp.broadcast_to(valid.reshape(t, -1), (t, k)).reshape(t * k)
+
+
 def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=None):
-    """Group the T*k (token, expert) pairs by expert into blocks of tm slots; the pairs of tokens with
-    valid[t] False get no slot.
+    """Group the T*k (token, expert) pairs by expert into blocks of tm slots; pairs left out by valid
+    ([T] per token or [T, k] per pair, False: left out) get no slot.
 
     Returns (slot_pair int32 [B*tm]: pair index t*k+j in each slot, T*k for an empty slot;
     block_expert int32 [B]: expert of each block, -1 for unused blocks). B is a static bound.
@@ -41,7 +47,7 @@ def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=N
     pairs = expert_idx.size
     e = expert_idx.reshape(pairs).astype(jnp.int32)
     if valid is not None:  # left-out pairs go to a sentinel expert past the last, sorted to the end
-        e = jnp.where(jnp.repeat(valid, expert_idx.shape[1]), e, num_experts)
+        e = jnp.where(_pair_valid(valid, expert_idx), e, num_experts)
     order = jnp.argsort(e, stable=True).astype(jnp.int32)
     e_sorted = e[order]
     counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e].add(1)[:num_experts]
@@ -64,9 +70,10 @@ def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS, valid=None):
     slots = jnp.arange(pairs * tm, dtype=jnp.int32)
     slot_pair = jnp.where(slots % tm == 0, slots // tm, pairs)
     block_expert = expert_idx.reshape(pairs).astype(jnp.int32)
-    if valid is not None:  # a left-out token: every block unused, every slot empty
-        block_expert = jnp.where(valid[0], block_expert, -1)
-        slot_pair = jnp.where(valid[0], slot_pair, pairs)
+    if valid is not None:  # a left-out pair: its block unused, its slot empty
+        kept = _pair_valid(valid, expert_idx)
+        block_expert = jnp.where(kept, block_expert, -1)
+        slot_pair = jnp.where(kept[slots // tm], slot_pair, pairs)
     return slot_pair, block_expert
 
 
@@ -75,14 +82,15 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     """y[t] = sum_j expert_weight[t,j] * down[e] @ relu(up[e] @ x[t])^2, e = expert_idx[t,j].
 
     x [T, H] bf16/f32; expert_idx int32 [T, k]; expert_weight f32 [T, k]; up [E, F, H] and
-    down [E, H, F] as dense arrays, FP8Weight or NVFP4Weight (stacked along E); valid [T] bool or None:
-    tokens left out get y[t] = 0 and read no expert weights. fp32 accumulation, the hidden activation
+    down [E, H, F] as dense arrays, FP8Weight or NVFP4Weight (stacked along E); valid [T] (per token) or
+    [T, k] (per pair) bool, or None: pairs left out add nothing to y and read no expert weights (a
+    sharded MoE leaves out the pairs of other devices' experts). fp32 accumulation, the hidden activation
     rounded to x.dtype between the projections; y [T, H] in x.dtype.
     """
     impl = resolve_impl(impl)
     if impl == "xla":
         if valid is not None:
-            expert_weight = jnp.where(valid[:, None], expert_weight, 0.0)
+            expert_weight = jnp.where(valid.reshape(valid.shape[0], -1), expert_weight, 0.0)
         return reference.moe_experts(x, expert_idx, expert_weight, up, down)
     t, k = expert_idx.shape
     if t == 1:
