@@ -23,6 +23,12 @@ class RequestError(NemohError, ValueError):
     gate): names the argument, the value and what is allowed."""
 
 
+class MeshError(NemohError, ValueError):
+    """A device mesh or sharding rules that do not fit the model: an axis size that does not divide the
+    dim it splits (names the tensor, the dim and the mesh axis), a mesh axis given to two dims of one
+    tensor, or a layout the sharded MoE cannot run; raised before any device work."""
+
+
 class NonFiniteError(NemohError, FloatingPointError):
     """NaN or Inf logits met during prefill or decode (names the prompts and the step); raised after
     the call instead of returning tokens sampled from them."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
 import numpy as np
 
 from nemoh import validate
@@ -13,13 +12,14 @@ from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import prefill
 from nemoh.engine.sampling import Sampling
 from nemoh.model import ModelParams
+from nemoh.sharding.placement import to_host
 
 
 def generate(params: ModelParams, prompt_ids, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None,
              seed=0, stop_token_ids=None, ignore_eos: bool = False,
              on_token: Callable[[int, int], None] | None = None,
-             cache: CacheSpec = CacheSpec(), prefill_chunk: int = 256, steps_per_call: int = 32
-             ) -> list[list[int]]:
+             cache: CacheSpec = CacheSpec(), prefill_chunk: int = 256, steps_per_call: int = 32, mesh=None,
+             rules=None) -> list[list[int]]:
     """Generate up to max_new_tokens for each prompt; returns the new tokens per prompt, in order.
 
     temperature, top_k, top_p and seed take one value for every prompt or a list of one per prompt
@@ -27,8 +27,10 @@ def generate(params: ModelParams, prompt_ids, *, max_new_tokens: int, temperatur
     prompt, its settings and its seed (any integer, used whole), not on the other prompts. A sequence
     ends after the config's eos token (unless ignore_eos) or one of stop_token_ids; the stop token is
     included. steps_per_call decode steps run on the device per host call; on_token(prompt_index,
-    token) is called for each new token as they arrive. Every argument is checked before any device
-    work (RequestError, CacheCapacityError); NaN/Inf logits raise NonFiniteError.
+    token) is called for each new token as they arrive. mesh, rules: run sharded over a jax Mesh by
+    the rules (nemoh.sharding; default DEFAULT_RULES), params and carry alike; params already placed on
+    a mesh (nemoh.load(..., mesh=...)) run on it without them. Every argument is checked before any
+    device work (RequestError, CacheCapacityError, MeshError); NaN/Inf logits raise NonFiniteError.
     """
     validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
     cfg = params.config
@@ -43,15 +45,15 @@ def generate(params: ModelParams, prompt_ids, *, max_new_tokens: int, temperatur
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
 
     carry = prefill(params, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops, seed=seed,
-                    cache=cache, prefill_chunk=prefill_chunk)
+                    cache=cache, prefill_chunk=prefill_chunk, mesh=mesh, rules=rules)
     n = len(prompts)
     starts = np.array([len(p) for p in prompts])
     streamed = np.zeros(n, np.int64)
 
     def stream(carry) -> bool:
-        counts, finished = (np.asarray(a)[:n] for a in jax.device_get((carry.num_generated, carry.finished)))
+        counts, finished = to_host(carry.num_generated)[:n], to_host(carry.finished)[:n]
         if on_token is not None and (counts > streamed).any():
-            seqs = np.asarray(jax.device_get(carry.sequences))
+            seqs = to_host(carry.sequences)
             for i in range(n):
                 for t in seqs[i, starts[i] + streamed[i] : starts[i] + counts[i]]:
                     on_token(i, int(t))
@@ -62,5 +64,5 @@ def generate(params: ModelParams, prompt_ids, *, max_new_tokens: int, temperatur
     while not done:
         carry = decode(params, carry, steps_per_call)
         done = stream(carry)
-    seqs = np.asarray(jax.device_get(carry.sequences))
+    seqs = to_host(carry.sequences)
     return [seqs[i, starts[i] : starts[i] + streamed[i]].tolist() for i in range(n)]

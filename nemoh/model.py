@@ -9,6 +9,7 @@ passed per layer and returned updated; None for a stateless full-sequence forwar
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -22,6 +23,7 @@ from nemoh.layers.mamba2 import MambaParams, mamba2_mixer
 from nemoh.layers.mlp import MLPParams, mlp_mixer
 from nemoh.layers.moe import MoEParams, moe_mixer
 from nemoh.layers.norms import rms_norm
+from nemoh.sharding.placement import Placement, resolve, tracing
 from pallas_kernels import Weight, linear
 
 # mixer(params, normed h [b, T, H], config, layer state or None, ctx) -> (out [b, T, H], new state)
@@ -34,10 +36,12 @@ def register_mixer(params_type: type, mixer: Mixer) -> None:
     _MIXERS[params_type] = mixer
 
 
-register_mixer(MambaParams, lambda p, h, cfg, state, ctx: mamba2_mixer(p, h, cfg, state, ctx.valid_len))
+register_mixer(MambaParams, lambda p, h, cfg, state, ctx: mamba2_mixer(p, h, cfg, state, ctx.valid_len,
+                                                                        ctx.placement))
 register_mixer(AttentionParams, attention_mixer)
-register_mixer(MLPParams, lambda p, h, cfg, state, ctx: (mlp_mixer(p, h), state))
-register_mixer(MoEParams, lambda p, h, cfg, state, ctx: (moe_mixer(p, h, cfg, ctx.token_mask()), state))
+register_mixer(MLPParams, lambda p, h, cfg, state, ctx: (mlp_mixer(p, h, ctx.placement), state))
+register_mixer(MoEParams, lambda p, h, cfg, state, ctx: (moe_mixer(p, h, cfg, ctx.token_mask(), ctx.placement),
+                                                          state))
 
 
 @jax.tree_util.register_dataclass
@@ -132,23 +136,26 @@ def logits_from_hidden(params: ModelParams, h: jax.Array) -> jax.Array:
         return linear(h, head).astype(jnp.float32)
 
 
-@jax.jit
-def _forward(params: ModelParams, tokens: jax.Array) -> jax.Array:
+@partial(jax.jit, static_argnames=("placement",))
+def _forward(params: ModelParams, tokens: jax.Array, placement: Placement | None) -> jax.Array:
     b, T = tokens.shape
-    h, _ = run_layers(params, tokens, TokenContext.full(b, T), None)
-    return logits_from_hidden(params, h)
+    with tracing(placement):
+        h, _ = run_layers(params, tokens, TokenContext.full(b, T, placement), None)
+        return logits_from_hidden(params, h)
 
 
-def forward(params: ModelParams, tokens) -> jax.Array:
+def forward(params: ModelParams, tokens, *, mesh=None, rules=None) -> jax.Array:
     """Full-sequence forward from position 0: tokens [b, T] (or [T]) int -> logits [b, T, V] fp32.
 
     Concrete token ids are checked against the vocabulary (RequestError); under an outer jit they
-    cannot be, and out-of-range ids would silently clamp, so validate before tracing.
+    cannot be, and out-of-range ids would silently clamp, so validate before tracing. mesh, rules: run
+    sharded (see nemoh.sharding; params already on a mesh run on it without them).
     """
     validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
     if not isinstance(tokens, jax.core.Tracer):
         tokens = validate.check_token_ids(tokens, params.config.vocab_size)
+    params, placement = resolve(params, mesh, rules)
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]
-    return _forward(params, tokens)
+    return _forward(params, tokens, placement)

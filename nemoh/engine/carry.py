@@ -19,6 +19,7 @@ from nemoh.errors import NonFiniteError, RequestError, StaleCarryError
 from nemoh.layers.attention import KVPages
 from nemoh.layers.mamba2 import MambaState
 from nemoh.model import ModelParams
+from nemoh.sharding.placement import Placement, to_host
 
 
 @jax.tree_util.register_dataclass
@@ -32,7 +33,8 @@ class DecodeCarry:
     sequences [B, T] int32: each slot's prompt followed by its num_generated [B] new tokens (the newest
     is `tokens`); max_new [B] int32. finished [B] bool. nonfinite [B] bool: the slot met NaN/Inf
     logits. logits [B, V] fp32: the distribution `tokens` was sampled from. stop_ids [S] int32 (-1 is
-    padding). sampling: per-row settings and keys.
+    padding). sampling: per-row settings and keys. placement (static): the mesh and rules the carry is
+    laid out by (nemoh.sharding), None on one device; decode keeps that layout.
     """
 
     tokens: jax.Array
@@ -47,6 +49,7 @@ class DecodeCarry:
     logits: jax.Array
     stop_ids: jax.Array
     sampling: SamplingState
+    placement: Placement | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def initial_states(cfg: NemotronHConfig, dtype, batch: int, num_pages: int, page_size: int) -> tuple:
@@ -102,7 +105,7 @@ def check_matches(params: ModelParams, carry: DecodeCarry) -> None:
 
 def raise_if_nonfinite(carry: DecodeCarry) -> None:
     """NonFiniteError naming the slots whose logits were NaN/Inf (one small device read per call)."""
-    flags, counts = jax.device_get((carry.nonfinite, carry.num_generated))
+    flags, counts = to_host(carry.nonfinite), to_host(carry.num_generated)
     bad = np.flatnonzero(flags)
     if bad.size:
         raise NonFiniteError(

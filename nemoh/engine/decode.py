@@ -19,6 +19,7 @@ from nemoh.engine.carry import DecodeCarry, check_live, check_matches, consume, 
 from nemoh.engine.sampling import sample
 from nemoh.layers.context import TokenContext
 from nemoh.model import ModelParams, logits_from_hidden, run_layers
+from nemoh.sharding.placement import constrain, resolve, tracing
 
 
 def next_input(carry: DecodeCarry, sampled: jax.Array) -> jax.Array:
@@ -31,7 +32,7 @@ def step(params: ModelParams, carry: DecodeCarry) -> DecodeCarry:
     A live slot whose logits are not finite is flagged (nonfinite) and finished."""
     live = ~carry.finished
     ctx = TokenContext(positions=carry.lengths[:, None], valid_len=live.astype(jnp.int32),
-                       block_tables=carry.block_tables)
+                       block_tables=carry.block_tables, placement=carry.placement)
     h, states = run_layers(params, carry.tokens[:, None], ctx, carry.states)
     logits = logits_from_hidden(params, h[:, 0])
     sampled = sample(logits, carry.sampling, carry.num_generated)
@@ -53,6 +54,7 @@ def step(params: ModelParams, carry: DecodeCarry) -> DecodeCarry:
         logits=jnp.where(live[:, None], logits, carry.logits),
         stop_ids=carry.stop_ids,
         sampling=carry.sampling,
+        placement=carry.placement,
     )
 
 
@@ -64,19 +66,23 @@ def _decode(params: ModelParams, carry: DecodeCarry, num_steps: jax.Array) -> De
 
     def body(state):
         i, c = state
-        return i + 1, step(params, c)
+        return i + 1, constrain(step(params, c), c.placement)
 
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), carry))[1]
+    with tracing(carry.placement):
+        return jax.lax.while_loop(cond, body, (jnp.int32(0), carry))[1]
 
 
 def decode(params: ModelParams, carry: DecodeCarry, num_steps: int = 1) -> DecodeCarry:
     """Run up to num_steps decode steps on the device; returns the new carry and consumes the old one
-    (passing it again raises StaleCarryError). NaN/Inf logits raise NonFiniteError after the call."""
+    (passing it again raises StaleCarryError). NaN/Inf logits raise NonFiniteError after the call.
+    A sharded carry (from prefill with a mesh) runs on its mesh; params not on it are placed there."""
     validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
     validate.instance("carry", carry, DecodeCarry, "a DecodeCarry (from prefill or decode)")
     num_steps = validate.integer("num_steps", num_steps, 1, validate.INT32_MAX)
     check_live(carry)
     check_matches(params, carry)
+    if carry.placement is not None:
+        params, _ = resolve(params, carry.placement.mesh, carry.placement.rules)
     new = _decode(params, carry, np.int32(num_steps))
     consume(carry)
     raise_if_nonfinite(new)

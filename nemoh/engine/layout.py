@@ -36,7 +36,8 @@ def row_bucket(n: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """rows: batch slots; chunk: prefill chunk width; row_tokens: per-row capacity, a multiple of chunk;
-    pages_per_row: block-table width; num_pages: KV pool size; stop_slots: stop-id table width."""
+    pages_per_row: block-table width; num_pages: KV pool size; stop_slots: stop-id table width; shards:
+    the batch shards of a mesh (rows and pool split into that many equal parts, see kv_pages)."""
 
     rows: int
     chunk: int
@@ -45,22 +46,24 @@ class Layout:
     pages_per_row: int
     num_pages: int
     stop_slots: int
+    shards: int = 1
 
 
 def plan(cfg: NemotronHConfig, lengths: list[int], max_new_tokens: int, cache: CacheSpec, prefill_chunk: int,
-         num_stops: int, itemsize: int, device) -> Layout:
+         num_stops: int, itemsize: int, device, shards: int = 1) -> Layout:
     """The layout of a request of prompts of `lengths`: the bucketed pool when it fits `device`'s free
-    memory, else the exact one; CacheCapacityError (need and free memory) when neither fits."""
+    memory, else the exact one; CacheCapacityError (need and free memory) when neither fits. shards:
+    the batch shards of a mesh (batch slots rounded up to a multiple of it)."""
     budgets = [n + max_new_tokens for n in lengths]
     capacity = bucket(max(budgets), MIN_ROW_TOKENS)
-    rows = row_bucket(len(lengths))
+    rows = -(-row_bucket(len(lengths)) // shards) * shards
     chunk = min(prefill_chunk, capacity)
     row_tokens = -(-capacity // chunk) * chunk
     pages_per_row = pages_for(row_tokens, cache.page_size)
     free, source = free_bytes(device)
-    for num_pages in pool_sizes(cfg, cache, budgets, rows * pages_per_row, itemsize):
+    for num_pages in pool_sizes(cfg, cache, budgets, rows * pages_per_row, itemsize, rows, shards):
         lay = Layout(rows, chunk, row_tokens, cache.page_size, pages_per_row, num_pages,
-                     bucket(num_stops, MIN_STOP_SLOTS))
+                     bucket(num_stops, MIN_STOP_SLOTS), shards)
         need = request_bytes(cfg, lay, itemsize)
         if sum(need.values()) <= free:
             return lay

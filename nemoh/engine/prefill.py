@@ -22,13 +22,15 @@ from nemoh.engine.layout import MAX_ROW_TOKENS, Layout, plan
 from nemoh.engine.sampling import Sampling, SamplingState, sample, sampling_state
 from nemoh.layers.context import TokenContext
 from nemoh.model import ModelParams, logits_from_hidden, run_layers
+from nemoh.sharding.placement import Placement, batch_shards, constrain, resolve, tracing
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefillInputs:
     """Host-built inputs for `rows` slots: sequences [rows, T] int32 (prompts, right-padded);
-    lengths, max_new [rows] int32 (0 for dummy rows); block_tables [rows, P] int32; stop_ids [S] int32."""
+    lengths, max_new [rows] int32 (0 for dummy rows); block_tables [rows, P] int32; stop_ids [S] int32;
+    placement (static): the mesh and rules of a sharded prefill, None on one device."""
 
     sequences: jax.Array
     lengths: jax.Array
@@ -36,6 +38,7 @@ class PrefillInputs:
     block_tables: jax.Array
     stop_ids: jax.Array
     sampling: SamplingState
+    placement: Placement | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @partial(jax.jit, static_argnames=("chunk", "num_pages", "page_size"), donate_argnums=(1,))
@@ -48,29 +51,30 @@ def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, 
         start = c * chunk
         valid = jnp.clip(x.lengths - start, 0, chunk)
         ctx = TokenContext(positions=jnp.broadcast_to(start + positions, (rows, chunk)), valid_len=valid,
-                           block_tables=x.block_tables)
+                           block_tables=x.block_tables, placement=x.placement)
         h, states = run_layers(params, jax.lax.dynamic_slice_in_dim(x.sequences, start, chunk, axis=1), ctx, states)
         row_h = jnp.take_along_axis(h, jnp.clip(valid - 1, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         ends_here = (valid > 0) & (x.lengths <= start + chunk)
-        return states, jnp.where(ends_here[:, None], row_h, last_hidden)
+        return constrain(states, x.placement), jnp.where(ends_here[:, None], row_h, last_hidden)
 
     n_chunks = (jnp.max(x.lengths) + chunk - 1) // chunk
-    start_state = (initial_states(params.config, params.dtype, rows, num_pages, page_size),
+    start_state = (constrain(initial_states(params.config, params.dtype, rows, num_pages, page_size), x.placement),
                    jnp.zeros((rows, params.config.hidden_size), params.dtype))
-    states, last_hidden = jax.lax.fori_loop(0, n_chunks, run_chunk, start_state)
-    logits = logits_from_hidden(params, last_hidden)
+    with tracing(x.placement):
+        states, last_hidden = jax.lax.fori_loop(0, n_chunks, run_chunk, start_state)
+        logits = logits_from_hidden(params, last_hidden)
     real = x.lengths > 0
     tok = sample(logits, x.sampling, jnp.zeros_like(x.lengths))
     nonfinite = real & ~jnp.all(jnp.isfinite(logits), axis=-1)
     at = jnp.where(real, x.lengths, x.sequences.shape[1])  # dummy rows write nothing
     num_generated = real.astype(jnp.int32)
-    return DecodeCarry(
+    return constrain(DecodeCarry(
         tokens=tok, lengths=x.lengths, states=states, block_tables=x.block_tables,
         sequences=x.sequences.at[jnp.arange(rows), at].set(tok, mode="drop"),
         num_generated=num_generated, max_new=x.max_new,
         finished=~real | jnp.isin(tok, x.stop_ids) | (num_generated >= x.max_new) | nonfinite,
-        nonfinite=nonfinite, logits=logits, stop_ids=x.stop_ids, sampling=x.sampling,
-    )
+        nonfinite=nonfinite, logits=logits, stop_ids=x.stop_ids, sampling=x.sampling, placement=x.placement,
+    ), x.placement)
 
 
 def _inputs(prompts: list[np.ndarray], lay: Layout, max_new_tokens: int, stop_ids: tuple[int, ...],
@@ -87,20 +91,24 @@ def _inputs(prompts: list[np.ndarray], lay: Layout, max_new_tokens: int, stop_id
         sequences=sequences,
         lengths=np.array([len(p) for p in prompts] + pad, np.int32),
         max_new=np.array([max_new_tokens] * n + pad, np.int32),
-        block_tables=block_tables(budgets, lay.page_size, lay.rows, lay.pages_per_row),
+        block_tables=block_tables(budgets, lay.page_size, lay.rows, lay.pages_per_row, lay.shards),
         stop_ids=stops,
         sampling=sampling,
     )
 
 
 def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
-            stop_ids=(), seed=0, cache: CacheSpec = CacheSpec(), prefill_chunk: int = 256) -> DecodeCarry:
+            stop_ids=(), seed=0, cache: CacheSpec = CacheSpec(), prefill_chunk: int = 256, mesh=None,
+            rules=None) -> DecodeCarry:
     """Run the prompts and sample each one's first new token; returns the carry for `decode`.
 
     prompts: as generate takes them. sampling: one Sampling (values per prompt or for all); seed: an
     integer for every prompt or a list of one per prompt (any size, used whole); stop_ids: token ids
-    that end a sequence. Every argument is checked (RequestError) and the request's memory need
-    (CacheCapacityError) before any device work; NaN/Inf logits raise NonFiniteError.
+    that end a sequence. mesh, rules: run sharded, the carry laid out by the rules (nemoh.sharding;
+    params already on a mesh run on it without them); batch slots and KV pages then come in multiples
+    of the ways the batch is split. Every argument is checked (RequestError, MeshError) and the
+    request's memory need (CacheCapacityError) before any device work; NaN/Inf logits raise
+    NonFiniteError.
     """
     validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
     cfg = params.config
@@ -112,10 +120,17 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
     seeds = validate.per_row("seed", seed, len(prompts), validate.seed)
     validate.instance("cache", cache, CacheSpec, "a CacheSpec")
     prefill_chunk = validate.integer("prefill_chunk", prefill_chunk, 1, MAX_ROW_TOKENS)
+    params, placement = resolve(params, mesh, rules)
     lay = plan(cfg, [len(p) for p in prompts], max_new_tokens, cache, prefill_chunk, len(stop_ids),
-               jnp.dtype(params.dtype).itemsize, next(iter(params.embed.devices())))
+               jnp.dtype(params.dtype).itemsize, next(iter(params.embed.devices())), batch_shards(placement))
     state = sampling_state(sampling, seeds, prompts, cfg.vocab_size, lay.rows)
-    x = jax.device_put(_inputs(prompts, lay, max_new_tokens, stop_ids, state))
+    x = dataclasses.replace(_inputs(prompts, lay, max_new_tokens, stop_ids, state), placement=placement)
+    if placement is None:
+        x = jax.device_put(x)
+    else:  # the carry's layout is checked (MeshError) before anything is sent
+        placement.specs(jax.eval_shape(lambda: initial_states(cfg, params.dtype, lay.rows, lay.num_pages,
+                                                              lay.page_size)))
+        x = placement.place(x)
     carry = _prefill(params, x, chunk=lay.chunk, num_pages=lay.num_pages, page_size=lay.page_size)
     raise_if_nonfinite(carry)
     return carry

@@ -14,7 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from nemoh.config import NemotronHConfig
+from nemoh.errors import MeshError
 from nemoh.layers.context import TokenContext
+from nemoh.sharding.local import axis_position, per_device, psum32, row_axes, rows_spec
+from nemoh.sharding.rules import KV_HEADS, Q_HEADS
 from pallas_kernels import Weight, linear
 
 
@@ -87,22 +90,72 @@ def gather_pages(pool: jax.Array, block_tables: jax.Array) -> jax.Array:
     return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, pages: KVPages | None, ctx: TokenContext,
+                     kv_heads: tuple | None = None) -> tuple[jax.Array, KVPages | None]:
+    """q [b, T, Hq, D], k, v [b, T, Hkv, D] -> (out [b, T, Hq, D], pool with k, v written). Without pages
+    the block attends to itself. kv_heads (start, count): the queries read only these kv heads (a
+    device holding some query heads of a pool it shares); None: all."""
+    if pages is None:
+        keys, values, kv_len = k, v, ctx.valid_len
+    else:
+        pages = write_pages(pages, k, v, ctx)
+        kv_len = ctx.positions[:, 0] + ctx.valid_len
+        keys, values = gather_pages(pages.k, ctx.block_tables), gather_pages(pages.v, ctx.block_tables)
+    if kv_heads is not None:
+        keys, values = (jax.lax.dynamic_slice_in_dim(a, kv_heads[0], kv_heads[1], axis=2) for a in (keys, values))
+    return attend(q, keys, values, ctx.positions, kv_len), pages
+
+
+def _project(p: AttentionParams, h: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [b, T, H] -> q [b, T, Hq, D], k, v [b, T, Hkv, D] (head counts from the weights: local on a shard)."""
+    b, T, _ = h.shape
+    return tuple(linear(h, w).reshape(b, T, -1, head_dim) for w in (p.q_proj, p.k_proj, p.v_proj))
+
+
 def attention_mixer(p: AttentionParams, h: jax.Array, cfg: NemotronHConfig, pages: KVPages | None,
                     ctx: TokenContext) -> tuple[jax.Array, KVPages | None]:
     """h [b, T, H] (normed) -> (out [b, T, H], pool with this block's keys/values written).
 
-    Without pages, the block attends to itself (full-sequence forward from position 0).
+    Without pages, the block attends to itself (full-sequence forward from position 0). Under a
+    sharded program (ctx.placement) attention_sharded runs.
     """
+    if ctx.placement is not None:
+        return attention_sharded(p, h, cfg, pages, ctx)
     b, T, _ = h.shape
-    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = linear(h, p.q_proj).reshape(b, T, Hq, D)
-    k = linear(h, p.k_proj).reshape(b, T, Hkv, D)
-    v = linear(h, p.v_proj).reshape(b, T, Hkv, D)
-    if pages is None:
-        out = attend(q, k, v, ctx.positions, ctx.valid_len)
-    else:
-        pages = write_pages(pages, k, v, ctx)
-        kv_len = ctx.positions[:, 0] + ctx.valid_len
-        out = attend(q, gather_pages(pages.k, ctx.block_tables), gather_pages(pages.v, ctx.block_tables),
-                     ctx.positions, kv_len)
-    return linear(out.reshape(b, T, Hq * D), p.o_proj), pages
+    out, pages = cached_attention(*_project(p, h, cfg.head_dim), pages, ctx)
+    return linear(out.reshape(b, T, -1), p.o_proj), pages
+
+
+def attention_sharded(p: AttentionParams, h: jax.Array, cfg: NemotronHConfig, pages: KVPages | None,
+                      ctx: TokenContext) -> tuple[jax.Array, KVPages | None]:
+    """attention_mixer over a mesh: the query heads split n ways over the mesh axes of "q_heads" (q_proj
+    by rows, o_proj by columns, one psum). The kv heads split alike, or (NemotronH has few) stay whole on
+    every device: each device then writes every kv head into its copy of the pool and its queries read
+    only the kv heads of their group. Pages split with the batch rows, each batch shard's block tables
+    naming pages of its own part of the pool (kv_pages.block_tables)."""
+    placement = ctx.placement
+    heads, n = placement.axes(Q_HEADS), placement.ways(Q_HEADS)
+    kv_axes = placement.axes(KV_HEADS)
+    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    group, local_q = Hq // Hkv, Hq // n
+    if kv_axes not in ((), heads):
+        raise MeshError(f"rules: {KV_HEADS!r} splits over {kv_axes} but {Q_HEADS!r} over {heads}; split them "
+                        f"alike, or map {KV_HEADS!r} to None")
+    if not kv_axes and local_q % group and group % local_q:
+        raise MeshError(f"attention: {local_q} query heads per device (of {Hq}, over mesh axis {heads}) do not "
+                        f"fit its {Hkv} kv groups of {group}; use another mesh or split {KV_HEADS!r} too")
+    rows = row_axes(placement, h.shape[0])
+
+    def local(p, h, pages, positions, valid_len, block_tables):
+        b, T, _ = h.shape
+        reads = None if kv_axes else (axis_position(heads) * local_q // group, max(1, local_q // group))
+        mine = TokenContext(positions=positions, valid_len=valid_len, block_tables=block_tables)
+        out, pages = cached_attention(*_project(p, h, cfg.head_dim), pages, mine, reads)
+        return psum32(linear(out.reshape(b, T, -1), p.o_proj), heads), pages
+
+    pages_spec = placement.specs(pages)
+    table_spec = None if ctx.block_tables is None else rows_spec(rows, 2)
+    return per_device(placement, local,
+                      (placement.specs(p), rows_spec(rows, 3), pages_spec, rows_spec(rows, 2), rows_spec(rows, 1),
+                       table_spec),
+                      (rows_spec(rows, 3), pages_spec))(p, h, pages, ctx.positions, ctx.valid_len, ctx.block_tables)

@@ -7,6 +7,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from nemoh.sharding.local import per_device, psum32, row_axes, rows_spec
+from nemoh.sharding.placement import Placement
+from nemoh.sharding.rules import MLP
 from pallas_kernels import Weight, linear
 
 
@@ -31,5 +34,11 @@ def relu2_mlp(up: Weight, down: Weight, x: jax.Array) -> jax.Array:
     return linear(relu2(linear(x, up)), down)
 
 
-def mlp_mixer(p: MLPParams, h: jax.Array) -> jax.Array:
-    return relu2_mlp(p.up_proj, p.down_proj, h)
+def mlp_mixer(p: MLPParams, h: jax.Array, placement: Placement | None = None) -> jax.Array:
+    """h [b, T, H] -> [b, T, H]. placement: over a mesh, the width splits over the mesh axes of "mlp"
+    (up_proj by rows, down_proj by columns) and one psum adds the parts."""
+    if placement is None:
+        return relu2_mlp(p.up_proj, p.down_proj, h)
+    axes, rows = placement.axes(MLP), row_axes(placement, h.shape[0])
+    local = lambda p, h: psum32(relu2_mlp(p.up_proj, p.down_proj, h), axes)
+    return per_device(placement, local, (placement.specs(p), rows_spec(rows, 3)), rows_spec(rows, 3))(p, h)

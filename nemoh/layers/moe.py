@@ -13,7 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from nemoh.config import NemotronHConfig
+from nemoh.errors import MeshError
 from nemoh.layers.mlp import relu2_mlp
+from nemoh.sharding.local import axis_position, first_only, per_device, psum32, row_axes, rows_spec
+from nemoh.sharding.placement import Placement
+from nemoh.sharding.rules import BATCH, SHARED_MLP
 from pallas_kernels import Weight, linear, moe_experts
 
 
@@ -59,16 +63,81 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: NemotronHConfig
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def moe_mixer(p: MoEParams, h: jax.Array, cfg: NemotronHConfig, valid: jax.Array | None = None) -> jax.Array:
-    """h [..., H] (normed) -> [..., H]. valid [...] bool: tokens to route (padding and finished or empty
-    batch slots are not sent to any expert, so they cost no expert weight reads); None routes all."""
-    lead = h.shape[:-1]
-    x = h.reshape(-1, h.shape[-1])
+def _routed(p: MoEParams, x: jax.Array, cfg: NemotronHConfig, valid: jax.Array | None, experts) -> jax.Array:
+    """The routed path of x [T, H]: route, latent_in, experts (moe_experts' signature), latent_out."""
     idx, w = route(x, p.router, p.router_bias, cfg)
     xr = x if p.latent_in is None else linear(x, p.latent_in)
-    routed = moe_experts(xr, idx, w, p.experts_up, p.experts_down,
-                         valid=None if valid is None else valid.reshape(-1))
-    if p.latent_out is not None:
-        routed = linear(routed, p.latent_out)
-    out = routed if p.shared_up is None else routed + relu2_mlp(p.shared_up, p.shared_down, x)
+    routed = experts(xr, idx, w, p.experts_up, p.experts_down, valid=valid)
+    return routed if p.latent_out is None else linear(routed, p.latent_out)
+
+
+def _shared(p: MoEParams, x: jax.Array) -> jax.Array | None:
+    return None if p.shared_up is None else relu2_mlp(p.shared_up, p.shared_down, x)
+
+
+def moe_mixer(p: MoEParams, h: jax.Array, cfg: NemotronHConfig, valid: jax.Array | None = None,
+              placement: Placement | None = None) -> jax.Array:
+    """h [..., H] (normed) -> [..., H]. valid [...] bool: tokens to route (padding and finished or empty
+    batch slots are not sent to any expert, so they cost no expert weight reads); None routes all.
+    placement: the mesh and rules of a sharded program (then moe_sharded runs)."""
+    lead = h.shape[:-1]
+    x = h.reshape(-1, h.shape[-1])
+    valid = None if valid is None else valid.reshape(-1)
+    if placement is not None:
+        return moe_sharded(p, x, cfg, valid, placement).reshape(*lead, -1)
+    routed, shared = _routed(p, x, cfg, valid, moe_experts), _shared(p, x)
+    out = routed if shared is None else routed + shared
     return out.reshape(*lead, -1)
+
+
+def expert_axes(placement: Placement) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(mesh axes splitting the routed experts, mesh axes splitting their width); MeshError when the two
+    stacks split differently or the experts split over the batch's axes."""
+    dims = {f: tuple(placement.axes(a) if a else () for a in placement.rules.axes_of("MoEParams", f) or ())
+            for f in ("experts_up", "experts_down")}
+    (e_up, f_up, _), (e_down, _, f_down) = dims["experts_up"], dims["experts_down"]
+    if (e_up, f_up) != (e_down, f_down):
+        raise MeshError(f"rules: experts_up splits its experts over {e_up} and its width over {f_up}, experts_down "
+                        f"over {e_down} and {f_down}; the sharded MoE needs them split alike")
+    clash = set(e_up + f_up) & set(placement.axes(BATCH))
+    if clash:
+        raise MeshError(f"rules: mesh axes {sorted(clash)} split both the batch and the routed experts; the "
+                        "sharded MoE needs them apart")
+    return e_up, f_up
+
+
+def moe_sharded(p: MoEParams, x: jax.Array, cfg: NemotronHConfig, valid: jax.Array | None,
+                placement: Placement) -> jax.Array:
+    """moe_mixer over a mesh, x [T, H] -> [T, H]: experts split over the mesh axes of "experts" (expert
+    parallel), their width over those of "expert_mlp" and the shared expert's over those of "shared_mlp"
+    (tensor parallel); router and latent projections whole on every device.
+
+    Exchange: a device holds the tokens of its batch shard (whole over the expert and tensor axes, as
+    every layer leaves them), runs its own experts on the (token, expert) pairs routed to them and
+    leaves out every other pair (no weight reads for them); its routed and shared-expert parts then
+    enter one fp32 psum over the expert and tensor axes: one [T, H] collective per layer whatever the
+    top-k. (An all-to-all dispatch pays only when the tokens are spread over the expert axis; see
+    docs/multi_gpu.md for what was measured.) Each device has its own operands, so moe_experts runs
+    its kernel on a GPU."""
+    e_axes, f_axes = expert_axes(placement)
+    s_axes = placement.axes(SHARED_MLP)
+    axes = tuple(dict.fromkeys(e_axes + f_axes + s_axes))
+    rows = row_axes(placement, x.shape[0])
+    valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
+
+    def local(p, x, valid):
+        count = jax.tree.leaves(p.experts_up)[0].shape[0]
+        first = axis_position(e_axes) * count
+
+        def own_experts(xr, idx, w, up, down, valid):
+            mine = (idx >= first) & (idx < first + count)
+            return moe_experts(xr, jnp.where(mine, idx - first, 0), w, up, down, valid=mine & valid[:, None])
+
+        out = first_only(_routed(p, x, cfg, valid, own_experts), tuple(a for a in axes if a not in e_axes + f_axes))
+        shared = _shared(p, x)
+        if shared is not None:
+            out = out + first_only(shared, tuple(a for a in axes if a not in s_axes))
+        return psum32(out, axes)
+
+    return per_device(placement, local, (placement.specs(p), rows_spec(rows, 2), rows_spec(rows, 1)),
+                      rows_spec(rows, 2))(p, x, valid)
