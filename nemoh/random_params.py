@@ -19,9 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemoh.config import NemotronHConfig
+from nemoh.errors import RequestError
+from nemoh.io.deferred import Drawn, Whole, place
 from nemoh.io.loader import build_params
 from nemoh.io.quantize import ALGOS, plan_modules
 from nemoh.model import ModelParams
+from nemoh.sharding.placement import make_placement
 from pallas_kernels.formats import E2M1_VALUES, NVFP4_BLOCK, FP8Weight, NVFP4Weight
 
 LAYOUTS = ("dense",) + ALGOS  # dense, or a quantiser recipe (NVFP4, FP8, MIXED, NANO_NVFP4, NANO_FP8)
@@ -31,10 +34,12 @@ _FP8_SPREAD = 64.0  # random FP8 codes have std _FP8_SPREAD (well inside +-448)
 
 
 class _RandomReader:
-    """The loader's reader interface (has, kv_scales, vector, linear, stacked_linear), drawing values."""
+    """The loader's reader interface (has, kv_scales, vector, linear, stacked_linear), drawing values;
+    deferred=True: Deferred leaves (nemoh.io.deferred), projections drawn straight into their shardings
+    and vectors drawn whole, then split."""
 
-    def __init__(self, cfg: NemotronHConfig, layout: str, dtype, seed: int):
-        self.cfg, self.layout, self.dtype = cfg, layout, jnp.dtype(dtype)
+    def __init__(self, cfg: NemotronHConfig, layout: str, dtype, seed: int, deferred: bool = False):
+        self.cfg, self.layout, self.dtype, self.deferred = cfg, layout, jnp.dtype(dtype), deferred
         self.key = jax.random.PRNGKey(seed)
 
     def _key(self, name: str) -> jax.Array:
@@ -53,7 +58,10 @@ class _RandomReader:
 
     def vector(self, name: str, shape: tuple[int, ...], dtype=None):
         leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]  # embeddings, norm, conv1d, gate, A_log, ...
-        return _draw_vector(self._key(name), leaf, tuple(shape), jnp.dtype(dtype or self.dtype))
+        args = (self._key(name), leaf, tuple(shape), jnp.dtype(dtype or self.dtype))
+        if self.deferred:
+            return Whole(jax.ShapeDtypeStruct(args[2], args[3]), lambda: _draw_vector(*args)).tree()
+        return _draw_vector(*args)
 
     def linear(self, module: str, out_dim: int, in_dim: int):
         return self._weight(module, self._format(module), (), out_dim, in_dim)
@@ -66,7 +74,10 @@ class _RandomReader:
                             out_dim, in_dim)
 
     def _weight(self, module: str, fmt: str | None, lead: tuple[int, ...], out_dim: int, in_dim: int):
-        return _draw_weight(self._key(module), fmt, (*lead, out_dim, in_dim), self.dtype)
+        args = (self._key(module), fmt, (*lead, out_dim, in_dim), self.dtype)
+        if self.deferred:
+            return Drawn(jax.eval_shape(_draw_weight, *args), lambda shardings: _draw_weight(*args, shardings)).tree()
+        return _draw_weight(*args)
 
 
 # One compiled draw per (kind, shape, dtype): a model has few distinct tensor shapes.
@@ -88,9 +99,15 @@ def _draw_vector(key, leaf: str, shape: tuple[int, ...], dtype):
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-@partial(jax.jit, static_argnums=(1, 2, 3))
-def _draw_weight(key, fmt: str | None, shape: tuple[int, ...], dtype):
-    """A projection [..., out, in] with standard deviation 1/sqrt(in), stored in `fmt` (None: dense)."""
+@partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _draw_weight(key, fmt: str | None, shape: tuple[int, ...], dtype, shardings=None):
+    """A projection [..., out, in] with standard deviation 1/sqrt(in), stored in `fmt` (None: dense);
+    shardings: where its leaves go (each device then draws only its own shard)."""
+    w = _weight_values(key, fmt, shape, dtype)
+    return w if shardings is None else jax.lax.with_sharding_constraint(w, shardings)
+
+
+def _weight_values(key, fmt: str | None, shape: tuple[int, ...], dtype):
     *lead, out_dim, in_dim = shape
     k1, k2 = jax.random.split(key)
     std = 1.0 / np.sqrt(in_dim)
@@ -107,9 +124,12 @@ def _draw_weight(key, fmt: str | None, shape: tuple[int, ...], dtype):
     return NVFP4Weight.from_hf(packed, block.astype(jnp.float8_e4m3fn), jnp.full(lead, global_scale, jnp.float32))
 
 
-def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.bfloat16, seed: int = 0
-                  ) -> ModelParams:
-    """Random ModelParams for `config` on the default device.
+def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.bfloat16, seed: int = 0, mesh=None,
+                  rules=None) -> ModelParams:
+    """Random ModelParams for `config` on the default device, or laid out over a jax Mesh by the rules
+    (nemoh.sharding; default DEFAULT_RULES), each device drawing its own shard of every projection
+    (the values do not depend on the mesh). MeshError before any drawing for a mesh axis that does not
+    divide a dim it splits.
 
     layout: "dense" (every projection in `dtype`) or a quantiser recipe: "NANO_NVFP4" / "NANO_FP8" (the
     official Nano selective layouts), "NVFP4" / "FP8" (every linear but lm_head), "MIXED" (routed experts
@@ -117,4 +137,10 @@ def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.b
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
-    return build_params(config, _RandomReader(config, layout, dtype, seed))
+    if mesh is None:
+        if rules is not None:
+            raise RequestError(f"rules={rules!r}: needs a mesh: pass mesh=...")
+        return build_params(config, _RandomReader(config, layout, dtype, seed))
+    placement = make_placement(mesh, rules)
+    params = build_params(config, _RandomReader(config, layout, dtype, seed, deferred=True))
+    return place(params, placement.shardings(params))

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from nemoh import validate
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 from nemoh.errors import CheckpointError
-from nemoh.io.modelopt import QuantSpec, read_kv_scales, read_linear
+from nemoh.io.deferred import Stacked, Whole, place
+from nemoh.io.modelopt import QuantSpec, abstract_linear, read_kv_scales, read_linear
 from nemoh.io.persist import is_saved_params, restore
 from nemoh.io.tensor_source import TensorSource
 from nemoh.layers.attention import AttentionParams
@@ -26,6 +27,7 @@ from nemoh.layers.mamba2 import MambaParams
 from nemoh.layers.mlp import MLPParams
 from nemoh.layers.moe import MoEParams
 from nemoh.model import ModelParams
+from nemoh.sharding.placement import make_placement
 from pallas_kernels import FP8Weight
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")
@@ -83,6 +85,35 @@ class _Reader:
     def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
         """One [E, out, in] weight (of any type) from E per-expert modules."""
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *[self.linear(m, out_dim, in_dim) for m in modules])
+
+
+def _on_host(make):
+    """make() run with the host's CPU device as jax's default (the checkpoint's bytes are converted there)."""
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return make()
+
+
+class _DeferredReader(_Reader):
+    """The reader for a mesh: hands out Deferred leaves (nemoh.io.deferred), read and converted on the
+    host only when they are placed, each device's shard from its own experts."""
+
+    def kv_scales(self, module_prefix: str) -> None:
+        _on_host(lambda: _Reader.kv_scales(self, module_prefix))
+
+    def vector(self, name: str, shape: tuple[int, ...], dtype=None):
+        dtype = dtype or self.dtype
+        return Whole(jax.ShapeDtypeStruct(tuple(shape), dtype),
+                     lambda: _on_host(lambda: _Reader.vector(self, name, shape, dtype))).tree()
+
+    def linear(self, module: str, out_dim: int, in_dim: int):
+        return Whole(abstract_linear(self.spec, module, (out_dim, in_dim), self.dtype),
+                     lambda: _on_host(lambda: _Reader.linear(self, module, out_dim, in_dim))).tree()
+
+    def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
+        one = abstract_linear(self.spec, modules[0], (out_dim, in_dim), self.dtype)
+        stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct((len(modules), *a.shape), a.dtype), one)
+        return Stacked(stack, lambda j: _on_host(lambda: _Reader.linear(self, modules[j], out_dim, in_dim)),
+                       lambda j: modules[j]).tree()
 
 
 def _mamba(r: _Reader, cfg: NemotronHConfig, pre: str) -> MambaParams:
@@ -178,7 +209,8 @@ def build_params(cfg: NemotronHConfig, reader, embed_key: str = EMBEDDING_KEYS[0
     )
 
 
-def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding=None) -> ModelParams:
+def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding=None, mesh=None,
+         rules=None) -> ModelParams:
     """Load a NemotronH checkpoint directory: Hugging Face layout (config.json + model.safetensors or an
     index of shards, ModelOpt-quantised or not), or a directory written by nemoh.save.
 
@@ -186,15 +218,23 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
     parameters stay fp32); None means bfloat16 for a Hugging Face checkpoint and the saved dtype for a nemoh.save directory, which is
     restored exactly as saved (another dtype is refused). progress: show a progress bar (default: only
     for checkpoints of 1 GiB and more). sharding: where a nemoh.save directory's leaves go (see
-    nemoh.io.persist.restore).
+    nemoh.io.persist.restore). mesh, rules: lay the params out over a jax Mesh by the rules
+    (nemoh.sharding; default DEFAULT_RULES): every tensor goes straight onto its shards as it is read,
+    each device reading only its own experts; a mesh axis that does not divide a dim it splits raises
+    MeshError (naming the tensor, the dim and the axis) before anything is read.
     """
     path = validate.path("path", path)
     dtype = None if dtype is None else validate.float_dtype("dtype", dtype)
     validate.optional(validate.boolean, "progress", progress)
+    placement = None if mesh is None else make_placement(mesh, rules)
+    if placement is None and rules is not None:
+        validate.fail("rules", rules, "needs a mesh: pass mesh=...")
+    if placement is not None and sharding is not None:
+        validate.fail("sharding", sharding, "give sharding or mesh, not both")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if is_saved_params(path):
-        params = restore(path, sharding=sharding)
+        params = restore(path, sharding=sharding, placement=placement)
         if dtype is not None and jnp.dtype(dtype) != params.dtype:
             raise CheckpointError(f"{path} was saved in {params.dtype}; load it with dtype=None (or "
                                   f"{params.dtype}) rather than {jnp.dtype(dtype)}")
@@ -202,7 +242,7 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
     dtype = jnp.bfloat16 if dtype is None else dtype
     cfg = NemotronHConfig.from_json_file(path / "config.json")
     src = TensorSource(path)
-    reader = _Reader(src, QuantSpec.from_dir(path), jnp.dtype(dtype))
+    reader = (_Reader if placement is None else _DeferredReader)(src, QuantSpec.from_dir(path), jnp.dtype(dtype))
 
     embed_key = next((k for k in EMBEDDING_KEYS if src.has(k)), None)
     if embed_key is None:
@@ -210,7 +250,11 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
     if progress is None:
         progress = _total_bytes(src) >= PROGRESS_MIN_BYTES
     tied = cfg.tie_word_embeddings and not src.has("lm_head.weight")
-    params = build_params(cfg, reader, embed_key, tied, f"loading {path.name}" if progress else None)
+    if placement is None:
+        params = build_params(cfg, reader, embed_key, tied, f"loading {path.name}" if progress else None)
+    else:  # the layout is checked (MeshError) before anything is read
+        params = build_params(cfg, reader, embed_key, tied)
+        params = place(params, placement.shardings(params), f"loading {path.name}" if progress else None)
     for name in src.unconsumed():
         if name.startswith(IGNORED_PREFIXES):
             src.mark_used(name)

@@ -15,11 +15,12 @@ import functools
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nemoh.errors import CheckpointError
-from nemoh.io.tensor_source import TensorSource
+from nemoh.io.tensor_source import SAFETENSORS_DTYPES, TensorSource
 from pallas_kernels.formats import NVFP4_BLOCK, FP8Weight, NVFP4Weight, Weight
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -195,6 +196,31 @@ def _refuse_dense(src: TensorSource, module: str, algo: str, spec: QuantSpec) ->
                               f"{spec.source} says {module} is {algo}")
 
 
+def stored_tensors(algo: str, module: str, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The tensors a quantised module of logical shape [out, in] is stored as: {suffix: (shape,
+    safetensors dtype)}, in the order its format's from_hf takes them."""
+    out_dim, in_dim = shape
+    if algo == "FP8":
+        return {"weight": (tuple(shape), "F8_E4M3"), "weight_scale": ((), "F32")}
+    if in_dim % NVFP4_BLOCK:
+        raise CheckpointError(f"module {module}: NVFP4 needs the input dim divisible by {NVFP4_BLOCK}, "
+                              f"the config gives shape {list(shape)}")
+    return {"weight": ((out_dim, in_dim // 2), "U8"), "weight_scale": ((out_dim, in_dim // NVFP4_BLOCK), "F8_E4M3"),
+            "weight_scale_2": ((), "F32")}
+
+
+_FORMATS = {"FP8": FP8Weight, "NVFP4": NVFP4Weight}
+
+
+def abstract_linear(spec: QuantSpec | None, module: str, shape: tuple[int, int], dtype) -> Weight:
+    """What read_linear gives for `module`, with jax.ShapeDtypeStruct leaves: nothing is read."""
+    algo = spec.algo_for(module) if spec else None
+    if algo is None:
+        return jax.ShapeDtypeStruct(tuple(shape), dtype)
+    stored = [jax.ShapeDtypeStruct(s, SAFETENSORS_DTYPES[d]) for s, d in stored_tensors(algo, module, shape).values()]
+    return jax.eval_shape(_FORMATS[algo].from_hf, *stored)
+
+
 def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: tuple[int, int], dtype) -> Weight:
     """Load one linear module's weight, logical shape [out, in], in the format the config gives it.
 
@@ -205,22 +231,15 @@ def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: t
     if algo is None:
         return _read_dense(src, module, spec, shape, dtype)
     _refuse_dense(src, module, algo, spec)
-    out_dim, in_dim = shape
-    if algo == "FP8":
-        data = src.get(module + ".weight", shape=shape, dtypes=("F8_E4M3",))
-        weight = FP8Weight.from_hf(data, _scalar(src, module + ".weight_scale"))
-    else:
-        if in_dim % NVFP4_BLOCK:
-            raise CheckpointError(f"module {module}: NVFP4 needs the input dim divisible by {NVFP4_BLOCK}, "
-                                  f"the config gives shape {list(shape)}")
-        packed = src.get(module + ".weight", shape=(out_dim, in_dim // 2), dtypes=("U8",))
-        block = src.get(module + ".weight_scale", shape=(out_dim, in_dim // NVFP4_BLOCK), dtypes=("F8_E4M3",))
-        if np.isnan(block.astype(np.float32)).any():
-            name = module + ".weight_scale"
-            raise CheckpointError(f"tensor {name} in {src.file_of(name)}: NaN block scale")
-        weight = NVFP4Weight.from_hf(packed, block, _scalar(src, module + ".weight_scale_2"))
+    stored = {}
+    for suffix, (tensor_shape, tensor_dtype) in stored_tensors(algo, module, shape).items():
+        name = f"{module}.{suffix}"
+        stored[suffix] = _scalar(src, name) if tensor_shape == () else src.get(name, tensor_shape, (tensor_dtype,))
+    if algo == "NVFP4" and np.isnan(stored["weight_scale"].astype(np.float32)).any():
+        name = module + ".weight_scale"
+        raise CheckpointError(f"tensor {name} in {src.file_of(name)}: NaN block scale")
     _mark_input_scale(src, module)
-    return weight
+    return _FORMATS[algo].from_hf(*stored.values())
 
 
 def read_kv_scales(src: TensorSource, module_prefix: str) -> tuple[jnp.ndarray, jnp.ndarray] | None:

@@ -122,9 +122,25 @@ def save(params: ModelParams, directory: str | Path) -> Path:
     return directory
 
 
-def restore(directory: str | Path, *, sharding: Sharding = None) -> ModelParams:
+def _params(tree: dict, leaves: dict, config, where: Path) -> ModelParams:
+    """The saved tree rebuilt with `leaves` (leaf path -> value) in place of its arrays."""
+    try:
+        layers = tuple(_build(d, leaves) for d in tree["layers"])
+    except (ImportError, AttributeError, TypeError) as e:
+        raise CheckpointError(f"{where}: cannot rebuild a layer type ({e})") from None
+    return ModelParams(config=config, embed=_build(tree["embed"], leaves), norm_f=_build(tree["norm_f"], leaves),
+                       lm_head=_build(tree["lm_head"], leaves), layers=layers)
+
+
+def _leaf_path(key_path) -> str:
+    """A jax key path (fields and tuple indices) as the saved tree names the leaf: "layers/3/in_proj/data"."""
+    return "/".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in key_path)
+
+
+def restore(directory: str | Path, *, sharding: Sharding = None, placement=None) -> ModelParams:
     """Read params written by `save`, every leaf placed on the device (or on `sharding`: one Sharding for
-    every leaf, or a function (leaf path, ShapeDtypeStruct) -> Sharding)."""
+    every leaf, or a function (leaf path, ShapeDtypeStruct) -> Sharding; or laid out by a
+    nemoh.sharding Placement, checked (MeshError) before anything is read)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
@@ -135,16 +151,19 @@ def restore(directory: str | Path, *, sharding: Sharding = None) -> ModelParams:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{directory / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     tree = manifest["tree"]
+    parts = (tree["embed"], tree["norm_f"], tree["lm_head"], *tree["layers"])
+    if placement is not None:
+        shapes: dict[str, jax.ShapeDtypeStruct] = {}
+        for part in parts:
+            _abstract_leaves(part, shapes, None)
+        laid_out = placement.shardings(_params(tree, shapes, None, directory / MANIFEST))
+        by_path = {_leaf_path(k): s for k, s in jax.tree_util.tree_flatten_with_path(laid_out)[0]}
+        sharding = lambda path, sds: by_path[path]
     abstract: dict[str, jax.ShapeDtypeStruct] = {}
-    for part in (tree["embed"], tree["norm_f"], tree["lm_head"], *tree["layers"]):
+    for part in parts:
         _abstract_leaves(part, abstract, sharding)
     try:
         restored = ocp.StandardCheckpointer().restore(directory / ARRAYS, abstract)
     except Exception as e:  # orbax raises several types for a damaged or partial checkpoint
         raise CheckpointError(f"{directory / ARRAYS}: cannot restore ({type(e).__name__}: {e})") from None
-    try:
-        layers = tuple(_build(d, restored) for d in tree["layers"])
-    except (ImportError, AttributeError, TypeError) as e:
-        raise CheckpointError(f"{directory / MANIFEST}: cannot rebuild a layer type ({e})") from None
-    return ModelParams(config=NemotronHConfig.from_dict(manifest["config"]), embed=restored["embed"],
-                       norm_f=restored["norm_f"], lm_head=_build(tree["lm_head"], restored), layers=layers)
+    return _params(tree, restored, NemotronHConfig.from_dict(manifest["config"]), directory / MANIFEST)
