@@ -23,7 +23,8 @@ from nemoh.layers.mamba2 import MambaParams, mamba2_mixer
 from nemoh.layers.mlp import MLPParams, mlp_mixer
 from nemoh.layers.moe import MoEParams, moe_mixer
 from nemoh.layers.norms import rms_norm
-from nemoh.sharding.placement import Placement, resolve, tracing
+from nemoh.sharding.params import resolve
+from nemoh.sharding.placement import Placement, tracing
 from pallas_kernels import Weight, linear
 
 # mixer(params, normed h [b, T, H], config, layer state or None, ctx) -> (out [b, T, H], new state)

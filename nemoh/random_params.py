@@ -24,6 +24,7 @@ from nemoh.io.deferred import Drawn, Whole, place
 from nemoh.io.loader import build_params
 from nemoh.io.quantize import ALGOS, plan_modules
 from nemoh.model import ModelParams
+from nemoh.sharding.params import check_params
 from nemoh.sharding.placement import make_placement
 from pallas_kernels.formats import E2M1_VALUES, NVFP4_BLOCK, FP8Weight, NVFP4Weight
 
@@ -39,11 +40,10 @@ class _RandomReader:
     and vectors drawn whole, then split."""
 
     def __init__(self, cfg: NemotronHConfig, layout: str, dtype, seed: int, deferred: bool = False):
-        self.cfg, self.layout, self.dtype, self.deferred = cfg, layout, jnp.dtype(dtype), deferred
-        self.key = jax.random.PRNGKey(seed)
+        self.cfg, self.layout, self.dtype, self.deferred, self.seed = cfg, layout, jnp.dtype(dtype), deferred, seed
 
     def _key(self, name: str) -> jax.Array:
-        return jax.random.fold_in(self.key, zlib.crc32(name.encode()))
+        return jax.random.fold_in(jax.random.PRNGKey(self.seed), zlib.crc32(name.encode()))
 
     def _format(self, module: str) -> str | None:
         if self.layout == "dense":
@@ -58,10 +58,10 @@ class _RandomReader:
 
     def vector(self, name: str, shape: tuple[int, ...], dtype=None):
         leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]  # embeddings, norm, conv1d, gate, A_log, ...
-        args = (self._key(name), leaf, tuple(shape), jnp.dtype(dtype or self.dtype))
-        if self.deferred:
-            return Whole(jax.ShapeDtypeStruct(args[2], args[3]), lambda: _draw_vector(*args)).tree()
-        return _draw_vector(*args)
+        args = (leaf, tuple(shape), jnp.dtype(dtype or self.dtype))
+        if self.deferred:  # keys too are made only when placed
+            return Whole(jax.ShapeDtypeStruct(*args[1:]), lambda: _draw_vector(self._key(name), *args)).tree()
+        return _draw_vector(self._key(name), *args)
 
     def linear(self, module: str, out_dim: int, in_dim: int):
         return self._weight(module, self._format(module), (), out_dim, in_dim)
@@ -74,10 +74,11 @@ class _RandomReader:
                             out_dim, in_dim)
 
     def _weight(self, module: str, fmt: str | None, lead: tuple[int, ...], out_dim: int, in_dim: int):
-        args = (self._key(module), fmt, (*lead, out_dim, in_dim), self.dtype)
+        args = (fmt, (*lead, out_dim, in_dim), self.dtype)
         if self.deferred:
-            return Drawn(jax.eval_shape(_draw_weight, *args), lambda shardings: _draw_weight(*args, shardings)).tree()
-        return _draw_weight(*args)
+            abstract = jax.eval_shape(_draw_weight, jax.ShapeDtypeStruct((2,), jnp.uint32), *args)
+            return Drawn(abstract, lambda shardings: _draw_weight(self._key(module), *args, shardings)).tree()
+        return _draw_weight(self._key(module), *args)
 
 
 # One compiled draw per (kind, shape, dtype): a model has few distinct tensor shapes.
@@ -143,4 +144,4 @@ def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.b
         return build_params(config, _RandomReader(config, layout, dtype, seed))
     placement = make_placement(mesh, rules)
     params = build_params(config, _RandomReader(config, layout, dtype, seed, deferred=True))
-    return place(params, placement.shardings(params))
+    return place(params, check_params(params, placement))

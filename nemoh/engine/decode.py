@@ -19,7 +19,8 @@ from nemoh.engine.carry import DecodeCarry, check_live, check_matches, consume, 
 from nemoh.engine.sampling import sample
 from nemoh.layers.context import TokenContext
 from nemoh.model import ModelParams, logits_from_hidden, run_layers
-from nemoh.sharding.placement import constrain, resolve, tracing
+from nemoh.sharding.params import resolve
+from nemoh.sharding.placement import constrain, tracing
 
 
 def next_input(carry: DecodeCarry, sampled: jax.Array) -> jax.Array:

@@ -22,7 +22,8 @@ from nemoh.engine.layout import MAX_ROW_TOKENS, Layout, plan
 from nemoh.engine.sampling import Sampling, SamplingState, sample, sampling_state
 from nemoh.layers.context import TokenContext
 from nemoh.model import ModelParams, logits_from_hidden, run_layers
-from nemoh.sharding.placement import Placement, batch_shards, constrain, resolve, tracing
+from nemoh.sharding.params import resolve
+from nemoh.sharding.placement import Placement, batch_shards, constrain, tracing
 
 
 @jax.tree_util.register_dataclass
@@ -129,7 +130,7 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
         x = jax.device_put(x)
     else:  # the carry's layout is checked (MeshError) before anything is sent
         placement.specs(jax.eval_shape(lambda: initial_states(cfg, params.dtype, lay.rows, lay.num_pages,
-                                                              lay.page_size)))
+                                                              lay.page_size)), "carry.states")
         x = placement.place(x)
     carry = _prefill(params, x, chunk=lay.chunk, num_pages=lay.num_pages, page_size=lay.page_size)
     raise_if_nonfinite(carry)

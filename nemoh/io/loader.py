@@ -27,6 +27,7 @@ from nemoh.layers.mamba2 import MambaParams
 from nemoh.layers.mlp import MLPParams
 from nemoh.layers.moe import MoEParams
 from nemoh.model import ModelParams
+from nemoh.sharding.params import check_params
 from nemoh.sharding.placement import make_placement
 from pallas_kernels import FP8Weight
 
@@ -254,7 +255,7 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
         params = build_params(cfg, reader, embed_key, tied, f"loading {path.name}" if progress else None)
     else:  # the layout is checked (MeshError) before anything is read
         params = build_params(cfg, reader, embed_key, tied)
-        params = place(params, placement.shardings(params), f"loading {path.name}" if progress else None)
+        params = place(params, check_params(params, placement), f"loading {path.name}" if progress else None)
     for name in src.unconsumed():
         if name.startswith(IGNORED_PREFIXES):
             src.mark_used(name)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from nemoh.config import NemotronHConfig
 from nemoh.errors import MeshError
 from nemoh.layers.context import TokenContext
-from nemoh.sharding.local import axis_position, per_device, psum32, row_axes, rows_spec
-from nemoh.sharding.rules import KV_HEADS, Q_HEADS
+from nemoh.sharding.local import axis_position, fit_rows, per_device, psum32, rows_spec
+from nemoh.sharding.rules import BATCH, KV_HEADS, Q_HEADS
 from pallas_kernels import Weight, linear
 
 
@@ -133,7 +133,7 @@ def attention_sharded(p: AttentionParams, h: jax.Array, cfg: NemotronHConfig, pa
     every device: each device then writes every kv head into its copy of the pool and its queries read
     only the kv heads of their group. Pages split with the batch rows, each batch shard's block tables
     naming pages of its own part of the pool (kv_pages.block_tables)."""
-    placement = ctx.placement
+    placement = fit_rows(ctx.placement, h.shape[0])
     heads, n = placement.axes(Q_HEADS), placement.ways(Q_HEADS)
     kv_axes = placement.axes(KV_HEADS)
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -144,7 +144,7 @@ def attention_sharded(p: AttentionParams, h: jax.Array, cfg: NemotronHConfig, pa
     if not kv_axes and local_q % group and group % local_q:
         raise MeshError(f"attention: {local_q} query heads per device (of {Hq}, over mesh axis {heads}) do not "
                         f"fit its {Hkv} kv groups of {group}; use another mesh or split {KV_HEADS!r} too")
-    rows = row_axes(placement, h.shape[0])
+    rows = placement.axes(BATCH)
 
     def local(p, h, pages, positions, valid_len, block_tables):
         b, T, _ = h.shape

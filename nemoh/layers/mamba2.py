@@ -18,9 +18,9 @@ from nemoh.config import NemotronHConfig
 from nemoh.errors import MeshError
 from nemoh.layers.norms import gated_rms_norm
 from nemoh.layers.ssd import ssd_chunked, ssd_step
-from nemoh.sharding.local import axis_position, per_device, psum32, row_axes, rows_spec
+from nemoh.sharding.local import axis_position, fit_rows, per_device, psum32, rows_spec
 from nemoh.sharding.placement import Placement
-from nemoh.sharding.rules import MAMBA_CONV, MAMBA_HEADS, MAMBA_IN, MAMBA_INNER
+from nemoh.sharding.rules import BATCH, MAMBA_CONV, MAMBA_HEADS, MAMBA_IN, MAMBA_INNER
 from pallas_kernels import Weight, linear
 
 
@@ -155,7 +155,8 @@ def mamba2_sharded(p: MambaParams, h: jax.Array, cfg: NemotronHConfig, state: Ma
     local_cfg = dataclasses.replace(cfg, mamba_num_heads=nh // n, n_groups=cfg.n_groups // n)
     channels = [(0, I // n), (I, GN // n), (I + GN, GN // n)]  # x, B, C in the conv channels
     columns = [(0, I // n)] + [(I + o, s) for o, s in channels] + [(2 * I + 2 * GN, nh // n)]  # z, xBC, dt
-    in_axes, rows = placement.axes(MAMBA_IN), row_axes(placement, h.shape[0])
+    placement = fit_rows(placement, h.shape[0])
+    in_axes, rows = placement.axes(MAMBA_IN), placement.axes(BATCH)
 
     def local(p, h, state, valid_len):
         zxbcdt = psum32(linear(h, p.in_proj), in_axes)

@@ -7,9 +7,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from nemoh.sharding.local import per_device, psum32, row_axes, rows_spec
+from nemoh.sharding.local import fit_rows, per_device, psum32, rows_spec
 from nemoh.sharding.placement import Placement
-from nemoh.sharding.rules import MLP
+from nemoh.sharding.rules import BATCH, MLP
 from pallas_kernels import Weight, linear
 
 
@@ -39,6 +39,7 @@ def mlp_mixer(p: MLPParams, h: jax.Array, placement: Placement | None = None) ->
     (up_proj by rows, down_proj by columns) and one psum adds the parts."""
     if placement is None:
         return relu2_mlp(p.up_proj, p.down_proj, h)
-    axes, rows = placement.axes(MLP), row_axes(placement, h.shape[0])
+    placement = fit_rows(placement, h.shape[0])
+    axes, rows = placement.axes(MLP), placement.axes(BATCH)
     local = lambda p, h: psum32(relu2_mlp(p.up_proj, p.down_proj, h), axes)
     return per_device(placement, local, (placement.specs(p), rows_spec(rows, 3)), rows_spec(rows, 3))(p, h)

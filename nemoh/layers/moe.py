@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from nemoh.config import NemotronHConfig
 from nemoh.errors import MeshError
 from nemoh.layers.mlp import relu2_mlp
-from nemoh.sharding.local import axis_position, first_only, per_device, psum32, row_axes, rows_spec
+from nemoh.sharding.local import axis_position, first_only, fit_rows, per_device, psum32, rows_spec
 from nemoh.sharding.placement import Placement
 from nemoh.sharding.rules import BATCH, SHARED_MLP
 from pallas_kernels import Weight, linear, moe_experts
@@ -119,10 +119,11 @@ def moe_sharded(p: MoEParams, x: jax.Array, cfg: NemotronHConfig, valid: jax.Arr
     top-k. (An all-to-all dispatch pays only when the tokens are spread over the expert axis; see
     docs/multi_gpu.md for what was measured.) Each device has its own operands, so moe_experts runs
     its kernel on a GPU."""
+    placement = fit_rows(placement, x.shape[0])
     e_axes, f_axes = expert_axes(placement)
     s_axes = placement.axes(SHARED_MLP)
     axes = tuple(dict.fromkeys(e_axes + f_axes + s_axes))
-    rows = row_axes(placement, x.shape[0])
+    rows = placement.axes(BATCH)
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
 
     def local(p, x, valid):

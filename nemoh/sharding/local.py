@@ -7,17 +7,22 @@ activations whole) and one psum in fp32 adds the parts; XLA partitions only what
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from nemoh.sharding.placement import Placement
-from nemoh.sharding.rules import BATCH
+from nemoh.sharding.rules import BATCH, PAGES
 
 
-def row_axes(placement: Placement, rows: int) -> tuple[str, ...]:
-    """Mesh axes that split `rows` batch rows (none when they do not split evenly: rows stay whole)."""
-    return placement.axes(BATCH) if rows % placement.ways(BATCH) == 0 else ()
+def fit_rows(placement: Placement, rows: int) -> Placement:
+    """The placement for a block of `rows` batch rows: as given, or with the batch (and the KV pages)
+    whole on every device when the rows do not split evenly over its mesh axes (e.g. one prompt)."""
+    if rows % placement.ways(BATCH) == 0:
+        return placement
+    return dataclasses.replace(placement, rules=placement.rules.with_mesh_axes(**{BATCH: None, PAGES: None}))
 
 
 def rows_spec(axes: tuple[str, ...], ndim: int) -> P:

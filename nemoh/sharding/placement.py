@@ -119,28 +119,6 @@ def make_placement(mesh, rules) -> Placement:
     return placement
 
 
-def resolve(params, mesh=None, rules=None):
-    """(params, placement) of a call: `mesh` with `rules` (default DEFAULT_RULES), or without a mesh the
-    mesh the params already live on; (params, None) for params on one device and no mesh. Params not
-    yet on the placement's mesh are placed by the rules (MeshError before any transfer)."""
-    if mesh is None:
-        mesh = mesh_of(params)
-        if mesh is None:
-            if rules is not None:
-                validate.fail("rules", rules, "needs a mesh: pass mesh=... (or params placed on one)")
-            return params, None
-    placement = make_placement(mesh, rules)
-    if not placement.holds(params):
-        params = placement.place(params)
-    return params, placement
-
-
-def shard_params(params, mesh: Mesh, rules: Rules | None = None):
-    """Params laid out on `mesh` by `rules` (default DEFAULT_RULES), e.g. params loaded on one device.
-    MeshError names the tensor, dim and mesh axis when an axis size does not divide a dim it splits."""
-    return make_placement(mesh, rules).place(params)
-
-
 def to_host(x) -> np.ndarray:
     """A device array as numpy, also when its shards live on several hosts (gathered from all of them)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
