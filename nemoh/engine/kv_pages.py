@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 
 from nemoh import validate
-from nemoh.config import ATTENTION, NemotronHConfig
 from nemoh.errors import CacheCapacityError, RequestError
 
 
@@ -29,18 +28,13 @@ class CacheSpec:
             raise RequestError("give num_pages or memory_budget_bytes, not both")
 
 
-def page_bytes(cfg: NemotronHConfig, page_size: int, itemsize: int) -> int:
-    """Bytes one page costs across every attention layer (K and V)."""
-    return 2 * len(cfg.layers_of(ATTENTION)) * page_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
-
-
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-def pool_sizes(cfg: NemotronHConfig, spec: CacheSpec, token_budgets: list[int], bucket_pages: int,
-               itemsize: int) -> list[int]:
-    """Pool sizes to try, preferred first, for sequences of `token_budgets[i]` tokens (prompt + new):
+def pool_sizes(page_bytes: int, spec: CacheSpec, token_budgets: list[int], bucket_pages: int) -> list[int]:
+    """Pool sizes to try, preferred first, for sequences of `token_budgets[i]` tokens (prompt + new), in
+    a pool whose pages cost `page_bytes` each (over every layer, K and V):
     the user's num_pages / budget, or the bucket (`bucket_pages`) then exactly the pages needed.
     Raises CacheCapacityError naming the need and the capacity when the user's pool is too small."""
     total = sum(pages_for(t, spec.page_size) for t in token_budgets)
@@ -49,7 +43,7 @@ def pool_sizes(cfg: NemotronHConfig, spec: CacheSpec, token_budgets: list[int], 
     if spec.num_pages is not None:
         capacity, source = spec.num_pages, f"num_pages={spec.num_pages}"
     else:
-        per_page = max(page_bytes(cfg, spec.page_size, itemsize), 1)
+        per_page = max(page_bytes, 1)
         capacity = spec.memory_budget_bytes // per_page
         source = f"memory_budget_bytes={spec.memory_budget_bytes} ({per_page} bytes a page)"
     if total > capacity:

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemoh import validate
-from nemoh.engine.carry import DecodeCarry, initial_states, raise_if_nonfinite
+from nemoh.engine.carry import DecodeCarry, initial_states, raise_if_nonfinite, state_costs
 from nemoh.engine.kv_pages import CacheSpec, block_tables
 from nemoh.engine.layout import MAX_ROW_TOKENS, Layout, plan
 from nemoh.engine.sampling import Sampling, SamplingState, sample, sampling_state
 from nemoh.layers.context import TokenContext
+from nemoh.layers.protocol import StateShape
 from nemoh.model import ModelParams, logits_from_hidden, run_layers
 
 
@@ -55,7 +56,8 @@ def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, 
         return states, jnp.where(ends_here[:, None], row_h, last_hidden)
 
     n_chunks = (jnp.max(x.lengths) + chunk - 1) // chunk
-    start_state = (initial_states(params.config, params.dtype, rows, num_pages, page_size),
+    state_shape = StateShape(rows, num_pages, page_size, jnp.dtype(params.dtype))
+    start_state = (initial_states(params, state_shape),
                    jnp.zeros((rows, params.config.hidden_size), params.dtype))
     states, last_hidden = jax.lax.fori_loop(0, n_chunks, run_chunk, start_state)
     logits = logits_from_hidden(params, last_hidden)
@@ -69,7 +71,7 @@ def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, 
         sequences=x.sequences.at[jnp.arange(rows), at].set(tok, mode="drop"),
         num_generated=num_generated, max_new=x.max_new,
         finished=~real | jnp.isin(tok, x.stop_ids) | (num_generated >= x.max_new) | nonfinite,
-        nonfinite=nonfinite, logits=logits, stop_ids=x.stop_ids, sampling=x.sampling,
+        nonfinite=nonfinite, logits=logits, stop_ids=x.stop_ids, sampling=x.sampling, state_shape=state_shape,
     )
 
 
@@ -112,8 +114,8 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
     seeds = validate.per_row("seed", seed, len(prompts), validate.seed)
     validate.instance("cache", cache, CacheSpec, "a CacheSpec")
     prefill_chunk = validate.integer("prefill_chunk", prefill_chunk, 1, MAX_ROW_TOKENS)
-    lay = plan(cfg, [len(p) for p in prompts], max_new_tokens, cache, prefill_chunk, len(stop_ids),
-               jnp.dtype(params.dtype).itemsize, next(iter(params.embed.devices())))
+    lay = plan(cfg, state_costs(params, cache.page_size), [len(p) for p in prompts], max_new_tokens, cache,
+               prefill_chunk, len(stop_ids), next(iter(params.embed.devices())))
     state = sampling_state(sampling, seeds, prompts, cfg.vocab_size, lay.rows)
     x = jax.device_put(_inputs(prompts, lay, max_new_tokens, stop_ids, state))
     carry = _prefill(params, x, chunk=lay.chunk, num_pages=lay.num_pages, page_size=lay.page_size)

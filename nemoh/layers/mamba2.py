@@ -9,12 +9,14 @@ conv window is taken from the last real rows.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from nemoh.config import NemotronHConfig
+from nemoh.config import MAMBA, NemotronHConfig
 from nemoh.layers.norms import gated_rms_norm
+from nemoh.layers.protocol import StateShape
 from nemoh.layers.ssd import ssd_chunked, ssd_step
 from pallas_kernels import Weight, linear
 
@@ -34,6 +36,14 @@ class MambaParams:
     dt_bias: jax.Array
     gate_norm: jax.Array
     out_proj: Weight
+
+    HF_KIND: ClassVar[str] = MAMBA
+
+    def mix(self, h, cfg, state, ctx):
+        return mamba2_mixer(self, h, cfg, state, ctx.valid_len)
+
+    def init_state(self, cfg, shape: StateShape) -> "MambaState":
+        return MambaState.zeros(cfg, shape.batch, shape.dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
+from nemoh.config import MLP
+from nemoh.layers.protocol import Stateless
 from pallas_kernels import Weight, linear
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MLPParams:
+class MLPParams(Stateless):
     """norm [H]; up_proj [F, H]; down_proj [H, F]."""
 
     norm: jax.Array
     up_proj: Weight
     down_proj: Weight
+
+    HF_KIND: ClassVar[str] = MLP
+
+    def mix(self, h, cfg, state, ctx):
+        return mlp_mixer(self, h), state
 
 
 def relu2(h: jax.Array) -> jax.Array:
