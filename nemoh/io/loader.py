@@ -36,8 +36,8 @@ class _Reader:
     `build_params` asks a reader for tensors by HF name; nemoh.random_params passes one that draws them.
     """
 
-    def __init__(self, src: TensorSource, spec: QuantSpec | None, dtype):
-        self.src, self.spec, self.dtype = src, spec, dtype
+    def __init__(self, src: TensorSource, spec: QuantSpec | None, dtype, activation_quant: bool = False):
+        self.src, self.spec, self.dtype, self.activation_quant = src, spec, dtype, activation_quant
 
     def has(self, name: str) -> bool:
         return self.src.has(name)
@@ -51,11 +51,18 @@ class _Reader:
         return jnp.asarray(self.src.get(name, shape=shape, dtypes=FLOAT_DTYPES), dtype or self.dtype)
 
     def linear(self, module: str, out_dim: int, in_dim: int):
-        return read_linear(self.src, module, self.spec, (out_dim, in_dim), self.dtype)
+        return read_linear(self.src, module, self.spec, (out_dim, in_dim), self.dtype, self.activation_quant)
 
     def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
-        """One [E, out, in] weight (of any type) from E per-expert modules."""
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *[self.linear(m, out_dim, in_dim) for m in modules])
+        """One [E, out, in] weight (of any type) from E per-expert modules, all in one format."""
+        weights = [self.linear(m, out_dim, in_dim) for m in modules]
+        kinds = [(type(w).__name__, getattr(w, "input_scale", None) is not None) for w in weights]
+        odd = next((m for m, k in zip(modules, kinds) if k != kinds[0]), None)
+        if odd is not None:
+            raise CheckpointError(f"module {odd}: stored as {kinds[modules.index(odd)][0]} but {modules[0]} as "
+                                  f"{kinds[0][0]} (input_scale used: {kinds[0][1]}); nemoh stacks a layer's "
+                                  f"experts in one format")
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *weights)
 
 
 def _mamba(r: _Reader, cfg: NemotronHConfig, pre: str) -> MambaParams:
@@ -151,18 +158,22 @@ def build_params(cfg: NemotronHConfig, reader, embed_key: str = EMBEDDING_KEYS[0
     )
 
 
-def load(path: str | Path, dtype=jnp.bfloat16, *, progress: bool | None = None) -> ModelParams:
+def load(path: str | Path, dtype=jnp.bfloat16, *, progress: bool | None = None,
+         activation_quant: bool = False) -> ModelParams:
     """Load a NemotronH checkpoint directory (config.json + model.safetensors or an index of shards).
 
     dtype: the dtype of dense weights and activations (router and SSM parameters stay fp32).
     progress: show a progress bar (default: only for checkpoints of 1 GiB and more).
+    activation_quant: where a ModelOpt config quantises a linear's activations (FP8, NVFP4), run it so:
+    FP8 as W8A8 and NVFP4 as emulated W4A4, with the stored input_scale (docs/checkpoint_formats.md).
+    Default False: every quantised linear is weight-only (W8A16 / W4A16) and input scales go unused.
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     cfg = NemotronHConfig.from_json_file(path / "config.json")
     src = TensorSource(path)
-    reader = _Reader(src, QuantSpec.from_dir(path), jnp.dtype(dtype))
+    reader = _Reader(src, QuantSpec.from_dir(path), jnp.dtype(dtype), activation_quant)
 
     embed_key = next((k for k in EMBEDDING_KEYS if src.has(k)), None)
     if embed_key is None:
