@@ -110,12 +110,12 @@ class QuantSpec:
         path = Path(path)
         specs = []
         if (path / HF_QUANT_CONFIG).exists():
-            raw = _read_json(path / HF_QUANT_CONFIG)
+            raw = read_json(path / HF_QUANT_CONFIG)
             if not isinstance(raw.get("quantization"), dict):
                 raise CheckpointError(f"{path / HF_QUANT_CONFIG}: no \"quantization\" object")
             specs.append(cls.from_hf_quant_config(raw["quantization"], str(path / HF_QUANT_CONFIG)))
         if (path / CONFIG).exists():
-            qc = _read_json(path / CONFIG).get("quantization_config")
+            qc = read_json(path / CONFIG).get("quantization_config")
             if qc is not None:
                 specs.append(cls.from_quantization_config(qc, f"{path / CONFIG} quantization_config"))
         if len(specs) == 2:  # config.json without a quant_algo (compressed-tensors style) adds nothing to check
@@ -198,7 +198,8 @@ def _kv_algo_of_scheme(scheme, source: str) -> str | None:
     raise CheckpointError(f"{source}: kv_cache_scheme {scheme!r} is not supported (only 8-bit float)")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from `path` (CheckpointError naming the file when unreadable or not an object)."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:

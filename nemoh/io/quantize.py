@@ -45,7 +45,7 @@ from safetensors.numpy import save_file
 from nemoh.config import ATTENTION, MAMBA, NemotronHConfig
 from nemoh.errors import CheckpointError
 from nemoh.io.layout import hf_layout
-from nemoh.io.modelopt import CONFIG, DENSE_DTYPES, HF_QUANT_CONFIG, MIXED, matches_any
+from nemoh.io.modelopt import CONFIG, DENSE_DTYPES, HF_QUANT_CONFIG, MIXED, matches_any, read_json
 from nemoh.io.tensor_source import INDEX_FILE, SINGLE_FILE, TensorSource
 from pallas_kernels.formats import FP8_MAX as _FP8_MAX
 from pallas_kernels.formats import NVFP4_BLOCK
@@ -241,12 +241,12 @@ def _by_config_module(algos: dict[str, str | None], cfg: NemotronHConfig) -> dic
     they share one format (else listed one by one), non-linear modules dense."""
     out: dict[str, str | None] = {}
     for module in config_modules(cfg):
-        members = [m for m in algos if m == module or m.startswith(module + ".")] or [module]
-        kinds = {algos.get(m) for m in members}
-        if len(kinds) == 1 or members == [module]:
-            out[module] = kinds.pop()
-        else:
+        members = [m for m in algos if m == module or m.startswith(module + ".")]
+        kinds = {algos[m] for m in members}
+        if len(kinds) > 1:
             out.update({m: algos[m] for m in members})
+        else:
+            out[module] = kinds.pop() if kinds else None
     return out
 
 
@@ -272,6 +272,8 @@ def quant_configs(cfg: NemotronHConfig, algos: dict[str, str | None]) -> tuple[d
     or None}, with the fields and module naming of ModelOpt's export."""
     per_module = _by_config_module(algos, cfg)
     used = sorted({a for a in per_module.values() if a})
+    if not used:
+        raise ValueError("quant_configs: no module is quantised")
     section: dict = {"quant_algo": used[0] if len(used) == 1 else MIXED, "kv_cache_quant_algo": None}
     if section["quant_algo"] == MIXED:
         section["quantized_layers"] = {m: {"quant_algo": a, **({} if a == "FP8" else {"group_size": NVFP4_BLOCK})}
@@ -341,14 +343,7 @@ class ShardWriter:
 
 def read_config(directory: Path) -> dict:
     """config.json of a checkpoint directory as a dict (CheckpointError when missing or malformed)."""
-    path = directory / CONFIG
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read the model config ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return raw
+    return read_json(directory / CONFIG)
 
 
 def new_output_dir(dst_dir: Path) -> None:
@@ -445,14 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-amax", default=None,
                         help="JSON {module: amax of its input activations} from a calibration run: writes input_scale")
     args = parser.parse_args(argv)
-    amax = None
-    if args.input_amax:
-        try:
-            amax = json.loads(Path(args.input_amax).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{args.input_amax}: unreadable input amax JSON ({e})") from None
-        if not isinstance(amax, dict):
-            raise CheckpointError(f"{args.input_amax}: not a JSON object of module -> amax")
+    amax = read_json(Path(args.input_amax)) if args.input_amax else None
     plan = quantize_checkpoint(args.src, args.dst, args.algo, args.exclude, input_amax=amax)
     counts = {a: sum(v == a for v in plan.values()) for a in ("NVFP4", "FP8", None)}
     print(f"{args.dst}: {counts['NVFP4']} NVFP4, {counts['FP8']} FP8, {counts[None]} dense linear modules"
