@@ -4,6 +4,7 @@ nemoh errors as one line on stderr, and --help documenting every option with its
 from __future__ import annotations
 
 import collections
+import json
 import re
 import subprocess
 import sys
@@ -210,6 +211,7 @@ def test_info_on_every_tiny_checkpoint(tiny_checkpoints, demo_checkpoint, quanti
         for module, fmt in plan.items():
             expected[module_group(module, cfg)][fmt or "BF16"] += 1
         assert summarise(path).groups == {g: dict(c) for g, c in expected.items()}
-        assert f"quantisation  {'MIXED_PRECISION' if algo == 'MIXED' else algo} (from hf_quant_config.json)" in \
-            run_cli(["info", path], capsys)[1]
+        stored = json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+        assert stored in ("MIXED_PRECISION" if algo == "MIXED" else algo, f"W4A16_{algo}")  # uncalibrated NVFP4
+        assert f"quantisation  {stored} (from hf_quant_config.json)" in run_cli(["info", path], capsys)[1]
     assert "tokenizer     tokenizer.json, vocab 2048, with a chat template" in run_cli(["info", demo_checkpoint], capsys)[1]
