@@ -31,7 +31,7 @@ from benchmarks.common import NANO_DIMS, NANO_PATTERN
 from nemoh.config import NemotronHConfig
 from nemoh.io.layout import hf_layout
 from nemoh.io.modelopt import CONFIG, HF_QUANT_CONFIG
-from nemoh.io.quantize import ShardWriter, plan_modules, quant_configs
+from nemoh.io.quantize import ShardWriter, plan_modules, quant_configs, stored_algos
 from nemoh.random_params import _RandomReader
 from pallas_kernels import is_quantized
 
@@ -74,7 +74,7 @@ def write_checkpoint(config: dict, layout: str, out: Path, seed: int = 0) -> flo
             writer.add(f"{s.name}.{suffix}", np.asarray(tensor))
         writer.add(s.name + ".input_scale", np.asarray(1.0, np.float32))
     writer.finish()
-    hf_quant, quantization_config = quant_configs(layout, plan, None)
+    hf_quant, quantization_config = quant_configs(cfg, stored_algos(plan, calibrated=True))
     (out / CONFIG).write_text(json.dumps({**config, "quantization_config": quantization_config}, indent=2))
     (out / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2))
     return sum(f.stat().st_size for f in out.iterdir())

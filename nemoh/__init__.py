@@ -2,14 +2,16 @@
 
 from nemoh.compile_cache import enable_default_cache, set_compilation_cache
 from nemoh.config import NemotronHConfig
-from nemoh.errors import (CacheCapacityError, CheckpointError, ConfigError, NemohError, NonFiniteError,
-                          RequestError, StaleCarryError)
+from nemoh.errors import (CacheCapacityError, CheckpointError, ConfigError, LayerError, NemohError,
+                          NonFiniteError, RequestError, StaleCarryError)
 from nemoh.io.loader import load
 from nemoh.io.persist import save
 from nemoh.io.save_hf import save_hf
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.generate import generate
-from nemoh.model import ModelParams, forward, register_mixer
+from nemoh import surgery
+from nemoh.layers.protocol import Layer, StateShape, Stateless
+from nemoh.model import ModelParams, forward
 from nemoh.random_params import random_params
 from nemoh.text import Tokenizer, generate_text, load_tokenizer
 
@@ -18,7 +20,7 @@ enable_default_cache()
 __all__ = [
     "set_compilation_cache",
     "NemotronHConfig", "ModelParams", "CacheSpec", "load", "save", "save_hf", "random_params", "forward", "generate",
-    "register_mixer", "Tokenizer", "load_tokenizer", "generate_text",
-    "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "NonFiniteError",
+    "surgery", "Layer", "StateShape", "Stateless", "Tokenizer", "load_tokenizer", "generate_text",
+    "NemohError", "ConfigError", "CheckpointError", "CacheCapacityError", "RequestError", "NonFiniteError", "LayerError",
     "StaleCarryError",
 ]

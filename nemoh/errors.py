@@ -36,3 +36,8 @@ class NonFiniteError(NemohError, FloatingPointError):
 
 class StaleCarryError(NemohError, RuntimeError):
     """A decode carry that was already consumed by an earlier step was passed again."""
+
+
+class LayerError(NemohError, TypeError):
+    """A layer that does not follow the layer protocol (nemoh.layers.protocol), or whose mixer returns
+    a state of another structure than it was given: names the layer index and type."""

@@ -1,49 +1,29 @@
-"""The NemotronH model: params pytree, the block registry, and the layer stack.
+"""The NemotronH model: the params pytree and the layer stack.
 
-Each block is  h = h + mixer(rms_norm(h)). The mixer is looked up by the TYPE of the layer's params
-(`register_mixer`), so a researcher swaps a layer by putting params of a new registered type into
-`params.layers[i]` (see docs/swapping_layers.md). Carried state (Mamba windows/states, KV pages) is
-passed per layer and returned updated; None for a stateless full-sequence forward.
+Each block is  h = h + layer.mix(rms_norm(h, layer.norm)). Every entry of `params.layers` follows the
+layer protocol (nemoh.layers.protocol): it carries its mixer and how to make its carried state, so a
+researcher swaps a layer by putting an object of another type into `params.layers` (see
+docs/swapping_layers.md and nemoh.surgery). Carried state (Mamba windows/states, KV pages, a user
+layer's own) is passed per layer and returned updated; None for a stateless full-sequence forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from nemoh import validate
 from nemoh.config import NemotronHConfig
-from nemoh.layers.attention import AttentionParams, attention_mixer
 from nemoh.layers.context import TokenContext
-from nemoh.layers.mamba2 import MambaParams, mamba2_mixer
-from nemoh.layers.mlp import MLPParams, mlp_mixer
-from nemoh.layers.moe import MoEParams, moe_mixer
 from nemoh.layers.norms import rms_norm
+from nemoh.layers.protocol import check_layer, check_state
 from nemoh.sharding.params import resolve
 from nemoh.sharding.placement import Placement, tracing
 from pallas_kernels import Weight, linear
-
-# mixer(params, normed h [b, T, H], config, layer state or None, ctx) -> (out [b, T, H], new state)
-Mixer = Callable[[Any, jax.Array, NemotronHConfig, Any, TokenContext], tuple[jax.Array, Any]]
-_MIXERS: dict[type, Mixer] = {}
-
-
-def register_mixer(params_type: type, mixer: Mixer) -> None:
-    """Make layers whose params are `params_type` run `mixer`. The type needs a `norm` field."""
-    _MIXERS[params_type] = mixer
-
-
-register_mixer(MambaParams, lambda p, h, cfg, state, ctx: mamba2_mixer(p, h, cfg, state, ctx.valid_len,
-                                                                        ctx.placement))
-register_mixer(AttentionParams, attention_mixer)
-register_mixer(MLPParams, lambda p, h, cfg, state, ctx: (mlp_mixer(p, h, ctx.placement), state))
-register_mixer(MoEParams, lambda p, h, cfg, state, ctx: (moe_mixer(p, h, cfg, ctx.token_mask(), ctx.placement),
-                                                          state))
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +62,7 @@ class ModelParams:
         else:
             head_fmt = type(self.lm_head).__name__ if is_quantized(self.lm_head) else str(self.lm_head.dtype)
         total = sum(a.nbytes for a in jax.tree.leaves(self))
-        return "\n".join([f"ModelParams({self.config.pattern!r}, {self.config.num_layers} layers, dtype {self.dtype}, "
+        return "\n".join([f"ModelParams({self.config.pattern!r}, {len(self.layers)} layers, dtype {self.dtype}, "
                           f"hidden {self.config.hidden_size}, vocab {self.config.vocab_size}, {total / 2**20:.1f} MiB)",
                           *rows, f"  lm_head: {head_fmt}"])
 
@@ -94,32 +74,36 @@ class ModelParams:
             import html
 
             return f"<pre>{html.escape(repr(self))}</pre>"
-        return treescope.render_to_html(self)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not self: no recursion
+        return treescope.render_to_html(fields, roundtrip_mode=False)
 
 
 def apply_mixer(layer, h: jax.Array, cfg: NemotronHConfig, state, ctx: TokenContext) -> tuple[jax.Array, Any]:
     """One layer's mixer on its normed input h [b, T, H] -> (out [b, T, H], new state), under the
     layer's named scope."""
     with jax.named_scope(layer_scope(layer)):
-        return _MIXERS[type(layer)](layer, h, cfg, state, ctx)
+        return layer.mix(h, cfg, state, ctx)
 
 
 def run_layers(params: ModelParams, tokens: jax.Array, ctx: TokenContext, states: tuple | None
                ) -> tuple[jax.Array, tuple | None]:
     """tokens [b, T] -> (final-normed hidden [b, T, H], new per-layer states).
 
-    states: one entry per layer (None for stateless layers), or None for a fresh full-sequence forward.
+    states: one entry per layer (what its init_state made), or None for a fresh full-sequence forward.
+    A layer that does not follow the protocol, or whose mixer changes its state's structure, raises
+    LayerError naming it when the program is traced, before any device work.
     """
     cfg = params.config
     h = params.embed[tokens]
     new_states = []
     for i, layer in enumerate(params.layers):
-        if type(layer) not in _MIXERS:
-            raise TypeError(f"layer {i}: no mixer registered for params type {type(layer).__name__}")
-        out, state = apply_mixer(layer, rms_norm(h, layer.norm, cfg.layer_norm_epsilon), cfg,
-                                 None if states is None else states[i], ctx)
+        check_layer(i, layer)
+        state = None if states is None else states[i]
+        out, new = apply_mixer(layer, rms_norm(h, layer.norm, cfg.layer_norm_epsilon), cfg, state, ctx)
+        if states is not None:
+            check_state(i, layer, state, new)
         h = h + out.astype(h.dtype)
-        new_states.append(state)
+        new_states.append(new)
     h = rms_norm(h, params.norm_f, cfg.layer_norm_epsilon)
     return h, (None if states is None else tuple(new_states))
 

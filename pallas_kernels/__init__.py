@@ -5,7 +5,8 @@ Ops (each takes impl="pallas" (GPU kernel), "interpret" (same kernel body on CPU
 (jnp reference); None picks "pallas" on a GPU backend, "xla" elsewhere):
   linear(x, w)       y = x @ W^T for a dense, FP8Weight or NVFP4Weight weight
   moe_experts(...)   routed experts of an MoE layer, reading only the selected experts' weights
-Formats: FP8Weight, NVFP4Weight (pallas_kernels.formats); `dequantize` is their reference.
+Formats: FP8Weight, NVFP4Weight (pallas_kernels.formats); `dequantize` is their reference. A weight with
+an input_scale quantises the op's input first (FP8 W8A8, NVFP4 emulated W4A4); without, weight-only.
 All ops run one Mosaic GPU kernel (plgpu.kernel, _wgemm.py); no Triton lowering is used.
 """
 

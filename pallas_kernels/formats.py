@@ -10,6 +10,16 @@ Formats (NVIDIA ModelOpt):
   FP8    W[o, k] = float(e4m3 data[o, k]) * scale                      (per tensor, per expert when stacked)
   NVFP4  W[o, k] = e2m1(code[o, k]) * float(e4m3 block_scale[o, k // 16]) * global_scale
          HF stores two codes a byte, element 2j in the low nibble of byte j.
+
+Activation quantisation is a property of the weight: `input_scale` (float32 [...], ModelOpt's
+".input_scale") set means the op quantises its input first, None means weight-only. With s = input_scale:
+  FP8    x_q = fp8_e4m3(clip(x * (1/s), +-448)) * s                                        (W8A8)
+  NVFP4  per block of 16 inputs: b = fp8_e4m3(clip(amax(|x_blk|) / (6 s), 2^-9, 448)), 1 for an all-zero
+         block; x_q = e2m1_round(x / (b s)) * (b s), round to nearest, ties to even, saturating at 6  (W4A4)
+NVFP4 is ModelOpt's fake quantisation in the operation order of its NVFP4QTensor, divisions IEEE-exact.
+FP8 multiplies by the reciprocal scale, as serving kernels do (ModelOpt's fake quant multiplies by
+448/amax: both are within an ulp of x / s). `input_codes` gives the exactly representable codes (e4m3,
+or e2m1 x e4m3) with x_q = codes * s up to one rounding.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ FP8_MAX = 448.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        dtype=np.float32)
 _GROUP_BYTES = NVFP4_BLOCK // 2  # packed bytes per block scale
+_E2M1_CUTS = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True))
+_MIN_BLOCK_SCALE = 2.0**-9  # smallest e4m3 subnormal: activation block scales never round to zero
 # e2m1 code v -> the e4m3 byte ((v & 7) << 2) | ((v & 8) << 4), whose value is e2m1(v) * 2**-6 exactly
 # (e2m1's exponent and mantissa bits land in e4m3's low exponent and top mantissa bits; e2m1 zero and
 # subnormals map to e4m3 zero and subnormals). Hardware then converts e4m3 pairs to float16 pairs.
@@ -88,30 +100,81 @@ def _e2m1_pair_to_f16_ptx(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
     return decode(codes)
 
 
+def e2m1_round(a: jax.Array) -> jax.Array:
+    """Magnitudes a >= 0 -> the nearest e2m1 magnitude {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even
+    code, above 6 -> 6. Each cut is a midpoint; a tie stays down where the lower code is even."""
+    out = jnp.zeros_like(a)
+    for (cut, tie_down), value in zip(_E2M1_CUTS, E2M1_VALUES[1:8]):
+        out = jnp.where((a > cut) if tie_down else (a >= cut), value, out)
+    return out
+
+
+def _exact_div(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b with IEEE division everywhere: XLA rewrites a / broadcast(b) into a * broadcast(1 / b), which
+    moves rounding boundaries, so the divisor is materialised at a's shape behind a barrier."""
+    return a / lax.optimization_barrier(jnp.broadcast_to(b, jnp.broadcast_shapes(a.shape, b.shape)))
+
+
+def _scale_for(x: jax.Array, input_scale, extra: int) -> jax.Array:
+    """input_scale (scalar or broadcastable to x[..., 0]) as float32 with `extra` trailing unit axes."""
+    return jnp.asarray(input_scale, jnp.float32).reshape(jnp.shape(input_scale) + (1,) * extra)
+
+
+def _nvfp4_input_parts(x: jax.Array, input_scale) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [..., K] -> (signed e2m1 values [..., K/16, 16], block scales b (e4m3 values) [..., K/16, 1],
+    s [..., 1, 1]) of ModelOpt's NVFP4 activation quantisation (module docstring)."""
+    *lead, k = x.shape
+    blocks = x.astype(jnp.float32).reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    s = _scale_for(x, input_scale, 2)
+    b = _exact_div(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), 6.0 * s)
+    b = jnp.clip(jnp.where(b == 0, 1.0, b), _MIN_BLOCK_SCALE, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    mag = e2m1_round(jnp.abs(_exact_div(blocks, b * s)))
+    return jnp.where(blocks < 0, -mag, mag), b, s
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FP8Weight:
     """Per-tensor FP8 (e4m3fn) weight: W = float(data) * scale.
 
-    data: float8_e4m3fn [..., out, in] (streamed as is); scale: float32 [...].
+    data: float8_e4m3fn [..., out, in] (streamed as is); scale: float32 [...]; input_scale: float32 [...]
+    (W8A8: inputs quantised to e4m3 with it) or None (weight-only).
     """
 
     data: jax.Array
     scale: jax.Array
+    input_scale: jax.Array | None = None
 
     K_PER_ELEMENT: ClassVar[int] = 1  # logical K elements per streamed weight element
     BYTES_PER_SCALE_ROW: ClassVar[int | None] = None  # streamed weight bytes per block-scale row (none)
     # the logical dims each stored leaf's dims hold ("*": the leading dims of [..., out, in]), so a
     # sharding of the logical weight carries over to its leaves
-    LEAF_DIMS: ClassVar[dict[str, tuple[str, ...]]] = {"data": ("*", "out", "in"), "scale": ("*",)}
+    LEAF_DIMS: ClassVar[dict[str, tuple[str, ...]]] = {"data": ("*", "out", "in"), "scale": ("*",),
+                                                       "input_scale": ("*",)}
 
     @classmethod
-    def from_hf(cls, data, scale) -> "FP8Weight":
-        """From ModelOpt tensors: weight float8_e4m3fn [..., out, in], weight_scale float32 [...]."""
-        return cls(jnp.asarray(data), jnp.asarray(scale, jnp.float32))
+    def from_hf(cls, data, scale, input_scale=None) -> "FP8Weight":
+        """From ModelOpt tensors: weight float8_e4m3fn [..., out, in], weight_scale float32 [...],
+        optional input_scale float32 [...]."""
+        return cls(jnp.asarray(data), jnp.asarray(scale, jnp.float32), _optional_f32(input_scale))
 
     def to_hf(self) -> dict[str, jax.Array]:
-        return {"weight": self.data, "weight_scale": self.scale}
+        return _with_input_scale({"weight": self.data, "weight_scale": self.scale}, self.input_scale)
+
+    @staticmethod
+    def input_codes(x: jax.Array, input_scale) -> jax.Array:
+        """x [..., K] -> float8_e4m3fn codes fp8(clip(x * (1/s), +-448)) [..., K]; s broadcastable to x[..., 0]."""
+        return jnp.clip(x.astype(jnp.float32) * (1.0 / _scale_for(x, input_scale, 1)), -FP8_MAX, FP8_MAX
+                        ).astype(jnp.float8_e4m3fn)
+
+    @classmethod
+    def fake_quantize_input(cls, x: jax.Array, input_scale) -> jax.Array:
+        """x [..., K] -> float32 quantised activations codes * s (the W8A8 input)."""
+        return cls.input_codes(x, input_scale).astype(jnp.float32) * _scale_for(x, input_scale, 1)
+
+    def fold_input_scale(self) -> "FP8Weight":
+        """The weight-only weight that, applied to `input_codes`, gives the W8A8 product (scale * input_scale)."""
+        return FP8Weight(self.data, self.scale * self.input_scale)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -141,28 +204,50 @@ class NVFP4Weight:
     scale: float8_e4m3fn [..., in/16, out], the block scales transposed, so the scales of a K step are a
       contiguous box the TMA engine streams with the codes.
     global_scale: float32 [...].
+    input_scale: float32 [...] (W4A4: inputs quantised to NVFP4 with it as their global scale) or None.
     """
 
     packed: jax.Array
     scale: jax.Array
     global_scale: jax.Array
+    input_scale: jax.Array | None = None
 
     K_PER_ELEMENT: ClassVar[int] = 2
     BYTES_PER_SCALE_ROW: ClassVar[int | None] = _GROUP_BYTES
     # packed's in dim holds in/2 bytes, scale's (transposed) in dim in/16 blocks
     LEAF_DIMS: ClassVar[dict[str, tuple[str, ...]]] = {"packed": ("*", "out", "in"), "scale": ("*", "in", "out"),
-                                                       "global_scale": ("*",)}
+                                                       "global_scale": ("*",), "input_scale": ("*",)}
 
     @classmethod
-    def from_hf(cls, packed, block_scale, global_scale) -> "NVFP4Weight":
+    def from_hf(cls, packed, block_scale, global_scale, input_scale=None) -> "NVFP4Weight":
         """From ModelOpt tensors: weight uint8 [..., out, in/2] (element 2j low nibble of byte j),
-        weight_scale float8_e4m3fn [..., out, in/16], weight_scale_2 float32 [...]."""
+        weight_scale float8_e4m3fn [..., out, in/16], weight_scale_2 float32 [...], optional input_scale."""
         packed = _regroup_nibbles(jnp.asarray(packed), to_kernel=True)
-        return cls(packed, jnp.swapaxes(jnp.asarray(block_scale), -1, -2), jnp.asarray(global_scale, jnp.float32))
+        return cls(packed, jnp.swapaxes(jnp.asarray(block_scale), -1, -2), jnp.asarray(global_scale, jnp.float32),
+                   _optional_f32(input_scale))
 
     def to_hf(self) -> dict[str, jax.Array]:
-        return {"weight": _regroup_nibbles(self.packed, to_kernel=False),
-                "weight_scale": jnp.swapaxes(self.scale, -1, -2), "weight_scale_2": self.global_scale}
+        return _with_input_scale({"weight": _regroup_nibbles(self.packed, to_kernel=False),
+                                  "weight_scale": jnp.swapaxes(self.scale, -1, -2),
+                                  "weight_scale_2": self.global_scale}, self.input_scale)
+
+    @staticmethod
+    def input_codes(x: jax.Array, input_scale) -> jax.Array:
+        """x [..., K] -> float32 codes e2m1 * b [..., K] (exact: at most 6 significant bits, multiples of
+        2^-10 below 2688), the quantised activations being codes * s."""
+        q, b, _ = _nvfp4_input_parts(x, input_scale)
+        return (q * b).reshape(x.shape)
+
+    @staticmethod
+    def fake_quantize_input(x: jax.Array, input_scale) -> jax.Array:
+        """x [..., K] -> float32 quantised activations e2m1 * (b * s) (the W4A4 input, ModelOpt's rounding)."""
+        q, b, s = _nvfp4_input_parts(x, input_scale)
+        return (q * (b * s)).reshape(x.shape)
+
+    def fold_input_scale(self) -> "NVFP4Weight":
+        """The weight-only weight that, applied to `input_codes`, gives the W4A4 product
+        (global_scale * input_scale)."""
+        return NVFP4Weight(self.packed, self.scale, self.global_scale * self.input_scale)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -212,6 +297,14 @@ def _regroup_nibbles(packed: jax.Array, to_kernel: bool) -> jax.Array:
         elems = jnp.concatenate([lo, hi], axis=-1)
         new_lo, new_hi = elems[..., 0::2], elems[..., 1::2]
     return (new_lo | (new_hi << 4)).astype(jnp.uint8).reshape(packed.shape)
+
+
+def _optional_f32(a) -> jax.Array | None:
+    return None if a is None else jnp.asarray(a, jnp.float32)
+
+
+def _with_input_scale(tensors: dict[str, jax.Array], input_scale) -> dict[str, jax.Array]:
+    return tensors if input_scale is None else {**tensors, "input_scale": input_scale}
 
 
 QuantizedWeight = Union[FP8Weight, NVFP4Weight]

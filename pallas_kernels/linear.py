@@ -3,6 +3,9 @@
 On the GPU quantised weights, and dense bf16/f16 weights read by few rows (decode), run the Mosaic GPU
 kernel of _wgemm: the weight is streamed once in its stored form and decoded in registers; activations
 are not quantised (W8A16 / W4A16). Larger dense products (prefill) use XLA's dot (cuBLAS).
+A quantised weight with an input_scale quantises x first: FP8 runs W8A8 as one XLA dot of float8_e4m3fn
+operands (fp32 accumulation; native FP8 tensor-core GEMMs on Hopper); NVFP4 emulates W4A4: x becomes its
+exact e2m1 x e4m3 codes, which the weight-only kernel reads, and input_scale joins the output scale.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import reference
 from pallas_kernels._backend import resolve_impl
 from pallas_kernels._blocked import MMA_DTYPES, Tiling, block_rows, blocked_linear
-from pallas_kernels.formats import Weight, is_quantized
+from pallas_kernels.formats import FP8Weight, Weight, is_quantized
 
 DENSE_KERNEL_MAX_ROWS = 64  # dense weights go through the kernel when x has at most this many rows
 
@@ -34,10 +38,23 @@ def linear(x, w: Weight, *, impl: str | None = None, tiling: Tiling | None = Non
     m = math.prod(lead)
     if impl == "xla" or not _uses_kernel(w, m):
         return reference.linear(x, w)
+    out_dtype = x.dtype
+    if getattr(w, "input_scale", None) is not None:
+        if isinstance(w, FP8Weight):
+            return fp8_w8a8(x, w)
+        x, w = w.input_codes(x, w.input_scale), w.fold_input_scale()
     tm = block_rows(m)
     num_blocks = -(-m // tm)
     xb = jnp.pad(x.reshape(m, k), ((0, num_blocks * tm - m), (0, 0))).reshape(num_blocks, tm, k)
     one_expert = jax.tree.map(lambda a: a[None], w)  # the kernel indexes weights by expert
     y = blocked_linear(xb, jnp.zeros((num_blocks,), jnp.int32), one_expert, impl, tiling)
-    return y.reshape(num_blocks * tm, -1)[:m].astype(x.dtype).reshape(*lead, -1)
+    return y.reshape(num_blocks * tm, -1)[:m].astype(out_dtype).reshape(*lead, -1)
+
+
+def fp8_w8a8(x, w: FP8Weight):
+    """W8A8: e4m3 codes of x [..., K] times w.data [N, K] in one fp8 dot with fp32 accumulation, scaled by
+    input_scale * scale -> [..., N] in x.dtype."""
+    codes = w.input_codes(x, w.input_scale)
+    y = lax.dot_general(codes, w.data, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * (w.input_scale * w.scale)).astype(x.dtype)
 

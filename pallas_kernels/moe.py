@@ -7,7 +7,9 @@ gather of all experts, no dequantised copy, no dense pass over E as jax.lax.ragg
 uses 8-row blocks; prefill, with many tokens per expert, blocks of up to 64 rows, so an expert's
 weights are streamed once per 64 of its tokens. Two kernel launches (up, down) with relu^2 and the
 weighted combine in XLA between and after. The hidden activation relu(up x)^2 enters the down
-projection in x.dtype, as in the reference model.
+projection in x.dtype, as in the reference model. Experts with input scales (W8A8 / W4A4) quantise each
+block's rows with the block expert's input_scale to exact codes (pallas_kernels.linear), which the
+weight-only kernel reads with input_scale folded into the expert's output scale.
 """
 
 from __future__ import annotations
@@ -77,6 +79,15 @@ def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS, valid=None):
     return slot_pair, block_expert
 
 
+def _quantized_blocks(xb, block_expert, w: Weight):
+    """(rows [B, tm, K], stacked weight) as the kernel reads them: with an input_scale, each block's rows as
+    exact codes of its expert's input quantisation and the weight with input_scale folded in; else as given."""
+    s = getattr(w, "input_scale", None)
+    if s is None:
+        return xb, w
+    return w.input_codes(xb, s[jnp.maximum(block_expert, 0)][:, None]), w.fold_input_scale()
+
+
 def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid=None, impl=None,
                 tiling: Tiling | None = None):
     """y[t] = sum_j expert_weight[t,j] * down[e] @ relu(up[e] @ x[t])^2, e = expert_idx[t,j].
@@ -102,7 +113,9 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     slot_token = slot_pair // k  # T for empty slots: the zero row appended below
     xb = jnp.concatenate([x, jnp.zeros_like(x[:1])])[slot_token]
     xb = xb.reshape(-1, tm, x.shape[1])
+    xb, up = _quantized_blocks(xb, block_expert, up)
     h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling), 0.0)).astype(x.dtype)
+    h, down = _quantized_blocks(h, block_expert, down)
     o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
     w = jnp.concatenate([expert_weight.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
     y = jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[slot_token].add(o * w[slot_pair][:, None])

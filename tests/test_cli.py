@@ -4,6 +4,7 @@ nemoh errors as one line on stderr, and --help documenting every option with its
 from __future__ import annotations
 
 import collections
+import json
 import re
 import subprocess
 import sys
@@ -120,9 +121,9 @@ def test_generate_ids(demo_checkpoint, demo, capsys):
     (["--prompt-ids", "1 x"], r"--prompt-ids '1 x' \(prompt 0\): must be space-separated integers"),
     (["--prompt-ids", "1", "--chat"], r"--chat needs text prompts"),
     (["--prompt-ids", "1 999"], r"token id 999 at index \[1\] is outside the vocabulary \[0, 256\)"),
-    (["--prompt-ids", "1", "--max-new-tokens", "0"], r"max_new_tokens=0: must be an integer >= 1"),
-    (["--prompt-ids", "1", "--temperature", "-1"], r"temperature=-1.0: must be a number >= 0"),
-    (["--prompt-ids", "1", "--top-p", "2"], r"top_p=2.0: must be in \(0, 1\]"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], r"max_new_tokens=0: must be an integer in \[1, "),
+    (["--prompt-ids", "1", "--temperature", "-1"], r"temperature=-1.0: must be a finite number >= 0"),
+    (["--prompt-ids", "1", "--top-p", "2"], r"top_p=2.0: must be a finite number in \(0.0, 1.0\]"),
 ])
 def test_nemoh_errors_are_one_line(args, message, capsys):
     rc, out, err = run_cli(["generate", "--model", TINY, *args], capsys)
@@ -210,6 +211,7 @@ def test_info_on_every_tiny_checkpoint(tiny_checkpoints, demo_checkpoint, quanti
         for module, fmt in plan.items():
             expected[module_group(module, cfg)][fmt or "BF16"] += 1
         assert summarise(path).groups == {g: dict(c) for g, c in expected.items()}
-        assert f"quantisation  {'MIXED_PRECISION' if algo == 'MIXED' else algo} (from hf_quant_config.json)" in \
-            run_cli(["info", path], capsys)[1]
+        stored = json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+        assert stored in ("MIXED_PRECISION" if algo == "MIXED" else algo, f"W4A16_{algo}")  # uncalibrated NVFP4
+        assert f"quantisation  {stored} (from hf_quant_config.json)" in run_cli(["info", path], capsys)[1]
     assert "tokenizer     tokenizer.json, vocab 2048, with a chat template" in run_cli(["info", demo_checkpoint], capsys)[1]

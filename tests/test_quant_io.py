@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+import nemoh
+from nemoh.config import NemotronHConfig
 from nemoh.errors import CheckpointError
 from nemoh.io import dequantize as dq
 from nemoh.io import quantize as qz
-from nemoh.io.modelopt import QuantSpec, read_kv_scales, read_linear
+from nemoh.io.modelopt import QuantSpec, normalise_module_name, read_kv_scales, read_linear
 from nemoh.io.tensor_source import TensorSource
 from pallas_kernels.formats import E2M1_VALUES as JNP_TABLE
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize
@@ -116,10 +118,13 @@ def f32_bits(x) -> np.ndarray:
     return np.asarray(x, np.float32).view(np.uint32)
 
 
+def linears(cfg: dict | None = None) -> list[str]:
+    return qz.linear_modules(NemotronHConfig.from_dict(cfg or CONFIG))
+
+
 def read_all_linears(directory: Path, dense: dict[str, np.ndarray]) -> dict[str, object]:
     src, spec = TensorSource(directory), QuantSpec.from_dir(directory)
-    return {m: read_linear(src, m, spec, dense[m + ".weight"].shape, jnp.bfloat16)
-            for m in qz.linear_modules(TensorSource(directory))}
+    return {m: read_linear(src, m, spec, dense[m + ".weight"].shape, jnp.bfloat16) for m in linears()}
 
 
 # ---- format bits --------------------------------------------------------------------------------------
@@ -224,20 +229,25 @@ def test_numpy_dequant_equals_jnp_dequantize_bit_for_bit():
 
 # ---- quantiser, reader, dequantiser ------------------------------------------------------------------
 
-def test_linear_module_detection(tmp_path):
-    write_dense(tmp_path / "d", {**CONFIG, "moe_latent_size": 16})
-    modules = qz.linear_modules(TensorSource(tmp_path / "d"))
+def test_linear_and_config_modules():
+    cfg = NemotronHConfig.from_dict({**CONFIG, "moe_latent_size": 16})
+    modules = qz.linear_modules(cfg)
     assert "lm_head" in modules and f"{PREFIX}.1.mixer.fc1_latent_proj" in modules
     assert f"{PREFIX}.1.mixer.experts.3.down_proj" in modules and f"{PREFIX}.7.mixer.up_proj" in modules
     assert not any(s in m for m in modules for s in ("conv1d", "gate", "embeddings", "norm"))
     assert len(modules) == 1 + 4 * 2 + 4 + 2 * (2 + 2 * 4 + 2) + 2
+    named = qz.config_modules(cfg)  # what ModelOpt's configs name: experts as one module, non-linear modules too
+    assert {"backbone.embeddings", f"{PREFIX}.0.mixer.conv1d", f"{PREFIX}.1.mixer.gate",
+            f"{PREFIX}.1.mixer.experts"} <= set(named)
+    assert not any(".experts." in m or m.endswith("norm") for m in named)
+    assert len(named) == len(modules) - 2 * 8 + 2 + 1 + 4 + 2  # 2 layers' 8 expert modules -> 2; embeddings, 4 conv1d, 2 gates
 
 
 @pytest.mark.parametrize("algo,fmt", [("NVFP4", NVFP4Weight), ("FP8", FP8Weight)])
 def test_read_linear_types_and_shapes(tmp_path, algo, fmt):
     qdir, dense = quantized(tmp_path, algo)
     spec = QuantSpec.from_dir(qdir)
-    assert spec.quant_algo == algo and "lm_head" in spec.exclude
+    assert spec.quant_algo == {"NVFP4": "W4A16_NVFP4", "FP8": "FP8"}[algo] and "lm_head" in spec.exclude
     src = TensorSource(qdir)
     m = f"{PREFIX}.1.mixer.experts.3.up_proj"
     w = read_linear(src, m, spec, (32, 32), jnp.bfloat16)
@@ -270,39 +280,41 @@ def test_quantiser_output_layout_and_configs(tmp_path):
     qdir, dense = quantized(tmp_path, "NVFP4")
     out = all_tensors(qdir)
     assert not any(n.endswith(".input_scale") for n in out)
-    linears = set(qz.linear_modules(TensorSource(tmp_path / "dense")))
+    linears_ = set(linears())
     for name, arr in dense.items():  # non-linear tensors and excluded linears: byte-identical copies
         module = name.removesuffix(".weight")
-        if module not in linears or module == "lm_head":
+        if module not in linears_ or module == "lm_head":
             assert out[name].dtype == arr.dtype and out[name].tobytes() == arr.tobytes(), name
     assert out[f"{PREFIX}.1.mixer.gate.weight"].dtype == np.float32
     cfg = json.loads((qdir / "config.json").read_text())
     qc = cfg.pop("quantization_config")
     assert cfg == CONFIG
-    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4" and qc["group_size"] == 16
-    assert "lm_head" in qc["ignore"] and "*conv1d*" in qc["ignore"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "W4A16_NVFP4"  # no calibration: weight-only
+    assert qc["config_groups"] == {"group_0": {"weights": {"dynamic": False, "num_bits": 4, "type": "float",
+                                                           "group_size": 16}, "targets": ["Linear"]}}
+    assert set(qc["ignore"]) == {"lm_head", "backbone.embeddings", *(f"{PREFIX}.{i}.mixer.conv1d" for i in (0, 2, 4, 6)),
+                                 *(f"{PREFIX}.{i}.mixer.gate" for i in (1, 5))}
     hq = json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]
-    assert hq["quant_algo"] == "NVFP4" and hq["group_size"] == 16 and hq["exclude_modules"] == qc["ignore"]
+    assert hq["quant_algo"] == "W4A16_NVFP4" and hq["group_size"] == 16 and hq["exclude_modules"] == qc["ignore"]
     assert (qdir / "tokenizer.json").read_text() == "{}"
 
 
 def test_nano_recipe_selects_exactly_the_official_modules(tmp_path):
     qdir, dense = quantized(tmp_path, "NANO_NVFP4")
     spec = QuantSpec.from_dir(qdir)
-    assert spec.quant_algo == "NVFP4"
+    assert spec.quant_algo == "W4A16_NVFP4"
     src = TensorSource(qdir)
     # pattern MEM*MEM-: attention at 3; Mamba 2 and 4 touch it, Mamba 0 and 6 do not
     dense_kept = {"lm_head", *(f"{PREFIX}.3.mixer.{p}_proj" for p in "qkvo"),
                   *(f"{PREFIX}.{i}.mixer.{p}" for i in (2, 4) for p in ("in_proj", "out_proj"))}
-    for m in qz.linear_modules(src):
+    for m in linears():
         want = None if m in dense_kept else "NVFP4"
         assert spec.algo_for(m) == want, m
         assert (src.dtype_of(m + ".weight") == "BF16") == (want is None), m
-    assert dense_kept <= set(spec.exclude)
+    assert f"{PREFIX}.3*" in spec.exclude  # the all-dense attention layer, summarised as ModelOpt does
     assert src.dtype_of(f"{PREFIX}.0.mixer.conv1d.weight") == "BF16"
     assert src.dtype_of(f"{PREFIX}.7.mixer.down_proj.weight") == "U8"
-    fp8 = qz.plan_modules("NANO_FP8", qz.linear_modules(TensorSource(tmp_path / "dense")),
-                          tuple("mamba moe mamba attention mamba moe mamba mlp".split()))
+    fp8 = qz.plan_modules("NANO_FP8", linears(), tuple("mamba moe mamba attention mamba moe mamba mlp".split()))
     assert {m for m, a in fp8.items() if a is None} == dense_kept
     assert {a for a in fp8.values()} == {None, "FP8"}
 
@@ -312,10 +324,10 @@ def test_mixed_precision_round_trip(tmp_path):
     spec = QuantSpec.from_dir(qdir)
     assert spec.quant_algo == "MIXED_PRECISION"
     layers = json.loads((qdir / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
-    for layer in (1, 5):
+    for layer in (1, 5):  # one entry for a layer's routed experts, as ModelOpt writes it
+        assert layers[f"{PREFIX}.{layer}.mixer.experts"] == {"quant_algo": "W4A16_NVFP4", "group_size": 16}
         for j in range(4):
-            for p in ("up_proj", "down_proj"):
-                assert layers[f"{PREFIX}.{layer}.mixer.experts.{j}.{p}"] == {"quant_algo": "NVFP4", "group_size": 16}
+            assert spec.algo_for(f"{PREFIX}.{layer}.mixer.experts.{j}.down_proj") == "NVFP4"
     assert layers[f"{PREFIX}.0.mixer.in_proj"] == {"quant_algo": "FP8"}
     assert layers[f"{PREFIX}.1.mixer.shared_experts.down_proj"] == {"quant_algo": "FP8"}
     assert f"{PREFIX}.3.mixer.q_proj" not in layers and "lm_head" not in layers
@@ -359,6 +371,16 @@ def test_cli(tmp_path, capsys):
     assert spec.algo_for(f"{PREFIX}.1.mixer.experts.1.up_proj") == "NVFP4"
     dq.main([str(tmp_path / "q"), str(tmp_path / "deq")])
     assert TensorSource(tmp_path / "deq").dtype_of("lm_head.weight") == "BF16"
+    (tmp_path / "amax.json").write_text(json.dumps({m: 2.0 for m in linears()}))
+    qz.main([str(tmp_path / "dense"), str(tmp_path / "c"), "--algo", "MAMBA_MOE_FP8_AGGRESSIVE",
+             "--input-amax", str(tmp_path / "amax.json")])
+    assert "input scales from" in capsys.readouterr().out
+    src = TensorSource(tmp_path / "c")
+    assert src.get(f"{PREFIX}.0.mixer.in_proj.input_scale") == np.float32(2.0) / np.float32(448)
+    assert src.dtype_of(f"{PREFIX}.3.mixer.q_proj.weight") == "BF16"  # the aggressive recipe keeps attention dense
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="bad.json: not a JSON object"):
+        qz.main([str(tmp_path / "dense"), str(tmp_path / "d"), "--algo", "FP8", "--input-amax", str(tmp_path / "bad.json")])
 
 
 def test_input_and_kv_scales_are_accepted(tmp_path):
@@ -426,10 +448,10 @@ def test_config_json_spelling_and_disagreement(tmp_path):
           "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}}
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
     spec = QuantSpec.from_dir(tmp_path)
-    assert (spec.quant_algo, spec.kv_cache_quant_algo) == ("NVFP4", "FP8")
+    assert (spec.quant_algo, spec.kv_cache_quant_algo) == ("W4A16_NVFP4", "FP8")
     assert spec.algo_for("lm_head") is None and spec.algo_for("backbone.layers.1.mixer.gate") is None
     write_hf_quant(tmp_path, {"quant_algo": "FP8"})
-    with pytest.raises(CheckpointError, match="'FP8'.*'NVFP4'"):
+    with pytest.raises(CheckpointError, match="'FP8'.*'W4A16_NVFP4'"):
         QuantSpec.from_dir(tmp_path)
     qc.pop("quant_algo")  # compressed-tensors style config.json: hf_quant_config.json decides
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
@@ -510,3 +532,118 @@ def test_quantiser_rejects_bad_input(tmp_path):
     rewrite_tensors(tmp_path / "odd", lambda t: t[name].__setitem__((0, 0), np.nan))
     with pytest.raises(CheckpointError, match=rf"{name}: non-finite"):
         qz.quantize_checkpoint(tmp_path / "odd", tmp_path / "q5", "FP8")
+
+
+# ---- ModelOpt 0.47 naming, module-level keys, activation scales --------------------------------------
+
+GARBLED = ".\x00backbone.pt_name_sentinel"  # what ModelOpt 0.47's model.->backbone. rename leaves behind
+
+
+@pytest.mark.parametrize("raw,want", [
+    ("lm_head" + GARBLED, "lm_head"),
+    (f"{PREFIX}.0" + GARBLED + "*", f"{PREFIX}.0*"),
+    (f"{PREFIX}.1.mixer" + GARBLED + ".*", f"{PREFIX}.1.mixer.*"),
+    (f"{PREFIX}.2.mixer.experts.\x00modelopt_name_sentinel", f"{PREFIX}.2.mixer.experts"),  # marker intact
+    ("backbone.embeddings", "backbone.embeddings"),
+])
+def test_normalise_module_name(raw, want):
+    assert normalise_module_name(raw, "here") == want
+
+
+@pytest.mark.parametrize("raw", ["lm_\x00head", "lm_head.\x00x", f"{PREFIX}.0" + GARBLED + GARBLED])
+def test_nul_outside_the_marker_is_refused(raw):
+    with pytest.raises(CheckpointError, match=r"here: module name .* NUL byte"):
+        normalise_module_name(raw, "here")
+
+
+def test_module_level_keys_cover_submodules_at_a_dot_boundary(tmp_path):
+    write_hf_quant(tmp_path, {"quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        f"{PREFIX}.1.mixer.experts" + GARBLED: {"quant_algo": "NVFP4", "group_size": 16},
+        f"{PREFIX}.1.mixer.experts.3.up_proj": {"quant_algo": "FP8"},  # the nearest entry decides
+        f"{PREFIX}.2": {"quant_algo": "W4A16_NVFP4", "group_size": 16}}})
+    spec = QuantSpec.from_dir(tmp_path)
+    assert spec.algo_for(f"{PREFIX}.1.mixer.experts.0.down_proj") == "NVFP4"
+    assert spec.activation_algo_for(f"{PREFIX}.1.mixer.experts.0.down_proj") == "NVFP4"
+    assert spec.algo_for(f"{PREFIX}.1.mixer.experts.3.up_proj") == "FP8"
+    assert spec.algo_for(f"{PREFIX}.1.mixer.experts_up") is None  # a prefix, not a "." boundary
+    assert spec.algo_for(f"{PREFIX}.2.mixer.in_proj") == "NVFP4"
+    assert spec.activation_algo_for(f"{PREFIX}.2.mixer.in_proj") is None  # weight-only NVFP4
+    assert spec.algo_for(f"{PREFIX}.20.mixer.in_proj") is None and spec.algo_for(f"{PREFIX}.1.mixer.gate") is None
+    write_hf_quant(tmp_path, {"quant_algo": "FP8", "exclude_modules": [f"{PREFIX}.2" + GARBLED, "lm_head" + GARBLED,
+                                                                       f"{PREFIX}.1*"]})
+    spec = QuantSpec.from_dir(tmp_path)
+    assert spec.exclude == (f"{PREFIX}.2", "lm_head", f"{PREFIX}.1*")
+    assert spec.algo_for(f"{PREFIX}.2.mixer.in_proj") is None and spec.algo_for("lm_head") is None
+    assert spec.algo_for(f"{PREFIX}.14.mixer.in_proj") is None  # fnmatch "*" crosses dots, as ModelOpt means it
+    assert spec.algo_for(f"{PREFIX}.20.mixer.in_proj") == "FP8" == spec.activation_algo_for(f"{PREFIX}.0.mixer.in_proj")
+    write_hf_quant(tmp_path, {"quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        f"{PREFIX}.2" + GARBLED: {"quant_algo": "FP8"}, f"{PREFIX}.2": {"quant_algo": "NVFP4"}}})
+    with pytest.raises(CheckpointError, match=rf"names module {PREFIX}\.2 twice"):
+        QuantSpec.from_dir(tmp_path)
+
+
+def test_activation_scales_read_only_with_activation_quant(tmp_path):
+    qdir, _ = quantized(tmp_path, "FP8")
+    m, out_proj = f"{PREFIX}.0.mixer.in_proj", f"{PREFIX}.0.mixer.out_proj"
+    rewrite_tensors(qdir, lambda t: t.update({m + ".input_scale": np.array(0.5, np.float32),
+                                              out_proj + ".input_scale": np.array(0.0, np.float32)}))
+    spec = QuantSpec.from_dir(qdir)
+    assert read_linear(TensorSource(qdir), m, spec, (100, 32), jnp.bfloat16).input_scale is None
+    w = read_linear(TensorSource(qdir), m, spec, (100, 32), jnp.bfloat16, activation_quant=True)
+    assert float(w.input_scale) == 0.5 and w.to_hf()["input_scale"] == 0.5
+    with pytest.raises(CheckpointError, match=rf"{out_proj}\.input_scale in model\.safetensors: scale 0\.0 is not "
+                                              r"finite and > 0"):
+        read_linear(TensorSource(qdir), out_proj, spec, (32, 32), jnp.bfloat16, activation_quant=True)
+    up = f"{PREFIX}.7.mixer.up_proj"
+    with pytest.raises(CheckpointError, match=rf"{up}\.input_scale is missing .* quantises the activations of {up} "
+                                              r"\(FP8\); load with activation_quant=False"):
+        read_linear(TensorSource(qdir), up, spec, (48, 32), jnp.bfloat16, activation_quant=True)
+    nvfp4, _ = quantized(tmp_path / "w4", "NVFP4")  # uncalibrated: W4A16_NVFP4, weight-only whatever is asked
+    w = read_linear(TensorSource(nvfp4), up, QuantSpec.from_dir(nvfp4), (48, 32), jnp.bfloat16, activation_quant=True)
+    assert isinstance(w, NVFP4Weight) and w.input_scale is None
+
+
+def test_experts_in_two_formats_are_refused(tmp_path):
+    qdir, _ = quantized(tmp_path, "NVFP4", exclude=["lm_head", "*.1.mixer.experts.2.*"])
+    with pytest.raises(CheckpointError, match=rf"{PREFIX}\.1\.mixer\.experts\.2\.up_proj: stored as ArrayImpl but "
+                                              r".*experts\.0\.up_proj as NVFP4Weight"):
+        nemoh.load(qdir, dtype=jnp.float32)
+
+
+def test_calibrated_quantiser_writes_input_scales_and_shares_qkv_global_scale(tmp_path):
+    dense = write_dense(tmp_path / "dense")
+    plan = qz.plan_modules("NVFP4", linears(), NemotronHConfig.from_dict(CONFIG).layer_kinds)
+    amax = {m: 1.0 + i / 8 for i, m in enumerate(linears())}
+    qz.quantize_checkpoint(tmp_path / "dense", tmp_path / "q", "NVFP4", input_amax=amax)
+    out, attn = all_tensors(tmp_path / "q"), f"{PREFIX}.3.mixer"
+    qkv = [f"{attn}.{p}_proj" for p in "qkv"]
+    shared = max(qz.nvfp4_global_scale(dense[m + ".weight"]) for m in qkv)
+    for m in qkv:  # one weight_scale_2 (the largest) and one input amax (the largest) for q/k/v
+        assert out[m + ".weight_scale_2"] == shared
+        assert out[m + ".input_scale"] == np.float32(max(amax[q] for q in qkv)) / np.float32(2688)
+        packed, block, _ = qz.nvfp4_quantize(dense[m + ".weight"], shared)
+        assert out[m + ".weight"].tobytes() == packed.tobytes() and out[m + ".weight_scale"].tobytes() == block.tobytes()
+    assert out[f"{attn}.o_proj.weight_scale_2"] == qz.nvfp4_global_scale(dense[f"{attn}.o_proj.weight"])
+    m = f"{PREFIX}.0.mixer.in_proj"
+    assert out[m + ".input_scale"] == np.float32(amax[m]) / np.float32(6 * 448)
+    assert not any(k.startswith("lm_head.") and k != "lm_head.weight" for k in out)
+    assert json.loads((tmp_path / "q" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    qz.quantize_checkpoint(tmp_path / "dense", tmp_path / "f", "FP8", input_amax=amax)
+    assert all_tensors(tmp_path / "f")[m + ".input_scale"] == np.float32(amax[m]) / np.float32(448)
+    missing = {k: v for k, v in amax.items() if k != m}
+    with pytest.raises(CheckpointError, match=rf"input_amax: module {m} needs a finite amax > 0"):
+        qz.quantize_checkpoint(tmp_path / "dense", tmp_path / "g", "FP8", input_amax=missing)
+    assert plan["lm_head"] is None
+
+
+def test_exclude_summary_is_modelopts():
+    """Dense modules as ModelOpt summarises them: the shortest "prefix*" matching no quantised module, else
+    "prefix.*", else the name itself."""
+    quantized_ = [f"{PREFIX}.10.mixer.in_proj", f"{PREFIX}.2.mixer.up_proj", f"{PREFIX}.0.mixer.out_proj"]
+    excluded = ["lm_head", "backbone.embeddings", f"{PREFIX}.0.mixer.in_proj", f"{PREFIX}.0.mixer.conv1d",
+                f"{PREFIX}.1.mixer.gate", f"{PREFIX}.1.mixer.experts", f"{PREFIX}.2.mixer.down_proj",
+                f"{PREFIX}.3.mixer.q_proj"]
+    assert qz.summarize_exclude(excluded, quantized_) == [
+        "backbone.embeddings", f"{PREFIX}.0.mixer.conv1d", f"{PREFIX}.0.mixer.in_proj",
+        f"{PREFIX}.1.*",  # "backbone.layers.1*" would match the quantised layer 10
+        f"{PREFIX}.2.mixer.down_proj", f"{PREFIX}.3*", "lm_head"]

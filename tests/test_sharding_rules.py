@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import nemoh
+from nemoh.engine.carry import StateCosts
 from nemoh.engine.kv_pages import CacheSpec, block_tables, pool_sizes
 from nemoh.engine.layout import plan
 from nemoh.errors import CacheCapacityError, MeshError
@@ -111,19 +112,19 @@ def test_kv_pool_splits_with_the_batch():
     assert tables[:5, :8].tolist()[:5] == [[0, 1, 2, 0, 0, 0, 0, 0], [3, 4, 5, 6, 7, 8, 9, 10],
                                            [11, 0, 0, 0, 0, 0, 0, 0], [12, 13, 14, 15, 16, 0, 0, 0],
                                            [0, 1, 0, 0, 0, 0, 0, 0]]  # shard 1 numbers its own pages from 0
-    assert pool_sizes(CFG, CacheSpec(page_size=4), budgets, 64, 2, rows=8, shards=2) == [64, 34]  # 2 x 17
-    assert pool_sizes(CFG, CacheSpec(page_size=4, num_pages=40), budgets, 64, 2, rows=8, shards=2) == [40]
+    assert pool_sizes(1024, CacheSpec(page_size=4), budgets, 64, rows=8, shards=2) == [64, 34]  # 2 x 17
+    assert pool_sizes(1024, CacheSpec(page_size=4, num_pages=40), budgets, 64, rows=8, shards=2) == [40]
     with pytest.raises(CacheCapacityError, match=r"needs 17 KV pages of 4 tokens on one of its 2 batch shards .* "
                                                  r"holds 16 a shard \(num_pages=32\)"):
-        pool_sizes(CFG, CacheSpec(page_size=4, num_pages=32), budgets, 64, 2, rows=8, shards=2)
+        pool_sizes(1024, CacheSpec(page_size=4, num_pages=32), budgets, 64, rows=8, shards=2)
     one = block_tables(budgets, 4, rows=8, width=8)
     assert one[4, :2].tolist() == [17, 18]  # one shard: the old numbering
 
 
 def test_layout_rounds_the_batch_to_the_shards():
-    device = jax.devices()[0]
-    assert plan(CFG, [5], 4, CacheSpec(), 256, 0, 2, device).rows == 1
-    lay = plan(CFG, [5], 4, CacheSpec(), 256, 0, 2, device, shards=2)
+    device, costs = jax.devices()[0], StateCosts(per_row=4096, per_page=1024)
+    assert plan(CFG, costs, [5], 4, CacheSpec(), 256, 0, device).rows == 1
+    lay = plan(CFG, costs, [5], 4, CacheSpec(), 256, 0, device, shards=2)
     assert (lay.rows, lay.shards, lay.num_pages % 2) == (2, 2, 0)
-    assert plan(CFG, [5] * 3, 4, CacheSpec(), 256, 0, 2, device, shards=4).rows == 16
+    assert plan(CFG, costs, [5] * 3, 4, CacheSpec(), 256, 0, device, shards=4).rows == 16
     assert np.array_equal(block_tables([5], 16, 2, 64, 2)[1], np.zeros(64))

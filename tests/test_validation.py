@@ -128,11 +128,15 @@ def test_forward_and_generate_refuse_non_params():
         nemoh.generate(None, [[1]], max_new_tokens=2)
 
 
-@pytest.mark.parametrize("dtype", [jnp.int32, bool, "banana", None, jnp.float8_e4m3fn, 5])
+@pytest.mark.parametrize("dtype", [jnp.int32, bool, "banana", jnp.float8_e4m3fn, 5])
 def test_load_refuses_non_float_dtypes(dtype):
     allowed = r"must be a floating dtype, one of \['float32', 'bfloat16', 'float16'\]"
     with pytest.raises(RequestError, match=f"dtype=.*: {allowed}"):
         nemoh.load(SHIPPED, dtype=dtype)
+
+
+def test_load_dtype_none_is_the_checkpoint_default():
+    assert nemoh.load(SHIPPED, dtype=None).dtype == jnp.bfloat16
 
 
 def test_load_refuses_bad_path_and_progress():

@@ -115,7 +115,7 @@ def summarise(path: str | Path) -> CheckpointSummary:
     for name in src.names():
         by_kind[tensor_kind(name, cfg)] += _tensor_totals(src, name)
     groups: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for module in linear_modules(src):
+    for module in linear_modules(cfg):
         fmt = (spec.algo_for(module) if spec else None) or src.dtype_of(module + ".weight")
         groups[module_group(module, cfg)][fmt] += 1
     return CheckpointSummary(cfg, dict(by_kind), {g: dict(c) for g, c in groups.items()}, spec,

@@ -7,17 +7,15 @@ read: the next input token is produced on the device inside the step and read th
 from __future__ import annotations
 
 import dataclasses
-import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nemoh.config import ATTENTION, MAMBA, NemotronHConfig
 from nemoh.engine.sampling import SamplingState
 from nemoh.errors import NonFiniteError, RequestError, StaleCarryError
-from nemoh.layers.attention import KVPages
-from nemoh.layers.mamba2 import MambaState
+from nemoh.layers.protocol import StateShape, check_layer
 from nemoh.model import ModelParams
 from nemoh.sharding.placement import Placement, to_host
 
@@ -33,8 +31,9 @@ class DecodeCarry:
     sequences [B, T] int32: each slot's prompt followed by its num_generated [B] new tokens (the newest
     is `tokens`); max_new [B] int32. finished [B] bool. nonfinite [B] bool: the slot met NaN/Inf
     logits. logits [B, V] fp32: the distribution `tokens` was sampled from. stop_ids [S] int32 (-1 is
-    padding). sampling: per-row settings and keys. placement (static): the mesh and rules the carry is
-    laid out by (nemoh.sharding), None on one device; decode keeps that layout.
+    padding). sampling: per-row settings and keys. state_shape (static): what the layer states were
+    made for (batch slots, KV pool pages, page size, dtype). placement (static): the mesh and rules the
+    carry is laid out by (nemoh.sharding), None on one device; decode keeps that layout.
     """
 
     tokens: jax.Array
@@ -49,20 +48,36 @@ class DecodeCarry:
     logits: jax.Array
     stop_ids: jax.Array
     sampling: SamplingState
+    state_shape: StateShape = dataclasses.field(metadata=dict(static=True))
     placement: Placement | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-def initial_states(cfg: NemotronHConfig, dtype, batch: int, num_pages: int, page_size: int) -> tuple:
-    """Zero state per layer: MambaState for Mamba layers, a KV pool for attention, None otherwise."""
-    out = []
-    for kind in cfg.layer_kinds:
-        if kind == MAMBA:
-            out.append(MambaState.zeros(cfg, batch, dtype))
-        elif kind == ATTENTION:
-            out.append(KVPages.zeros(cfg, num_pages, page_size, dtype))
-        else:
-            out.append(None)
-    return tuple(out)
+def initial_states(params: ModelParams, shape: StateShape) -> tuple:
+    """Each layer's zero carried state for `shape` (what its init_state makes), one entry per layer;
+    LayerError for a layer that does not follow the protocol."""
+    for i, layer in enumerate(params.layers):
+        check_layer(i, layer)
+    return tuple(layer.init_state(params.config, shape) for layer in params.layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCosts:
+    """Bytes of all layers' carried states: per batch slot (Mamba windows and states, user states) and
+    per KV page (every attention layer's K and V)."""
+
+    per_row: int
+    per_page: int
+
+
+def state_costs(params: ModelParams, page_size: int) -> StateCosts:
+    """Read off the layers' init_state at two batch sizes and two pool sizes (shapes only, no memory)."""
+    def total(batch: int, pages: int) -> int:
+        shape = StateShape(batch, pages, page_size, params.dtype)
+        states = jax.eval_shape(lambda: initial_states(params, shape))
+        return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(states))
+
+    base = total(1, 1)
+    return StateCosts(per_row=total(2, 1) - base, per_page=total(1, 2) - base)
 
 
 def check_live(carry: DecodeCarry) -> None:
@@ -74,30 +89,48 @@ def check_live(carry: DecodeCarry) -> None:
         )
 
 
-def _spec(state) -> tuple:
-    """A layer state's type and its leaves' (shape, dtype)."""
-    return type(state).__name__, tuple((tuple(a.shape), a.dtype) for a in jax.tree.leaves(state))
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """A layer state's tree structure and leaves' (shape, dtype); `name` only labels it in messages."""
+
+    tree: Any
+    leaves: tuple
+    name: str = dataclasses.field(compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.name}({', '.join(f'{d}{list(s)}' for s, d in self.leaves)})"
 
 
-@functools.lru_cache(maxsize=16)
-def _expected(cfg: NemotronHConfig, dtype, batch: int, num_pages: int, page_size: int) -> tuple:
-    return tuple(_spec(s) for s in jax.eval_shape(lambda: initial_states(cfg, dtype, batch, num_pages, page_size)))
+def _spec(state) -> _Spec:
+    tree = jax.tree.structure(state)
+    name = "array" if jax.tree_util.treedef_is_leaf(tree) and state is not None else type(state).__name__
+    return _Spec(tree, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves(state)), name)
+
+
+_EXPECTED: dict = {}  # (layers' structure and leaf shapes, cfg, StateShape) -> expected state specs
+
+
+def _expected(params: ModelParams, shape: StateShape) -> tuple:
+    leaves, tree = jax.tree.flatten(params.layers)
+    key = (tree, tuple((a.shape, a.dtype) for a in leaves), params.config, shape)
+    if key not in _EXPECTED:
+        if len(_EXPECTED) > 16:
+            _EXPECTED.clear()
+        _EXPECTED[key] = tuple(_spec(s) for s in jax.eval_shape(lambda: initial_states(params, shape)))
+    return _EXPECTED[key]
 
 
 def check_matches(params: ModelParams, carry: DecodeCarry) -> None:
     """RequestError unless carry's states have the structure, shapes and dtypes `params` would give
     them (e.g. a float32 carry with bfloat16 params, or a carry from another model)."""
-    pools = [s for s in carry.states if isinstance(s, KVPages)]
-    num_pages, page_size = pools[0].k.shape[:2] if pools else (1, 1)
-    want = _expected(params.config, jnp.dtype(params.dtype), carry.tokens.shape[0], num_pages, page_size)
+    want = _expected(params, dataclasses.replace(carry.state_shape, dtype=jnp.dtype(params.dtype)))
     got = tuple(_spec(s) for s in carry.states)
     if len(got) != len(want):
         raise RequestError(f"carry does not match params: {len(got)} layer states, the model has {len(want)} layers")
-    show = lambda spec: f"{spec[0]}({', '.join(f'{d}{list(s)}' for s, d in spec[1])})"
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
-            raise RequestError(f"carry does not match params: layer {i} state is {show(g)}, but these params "
-                               f"({params.dtype}) need {show(w)}")
+            raise RequestError(f"carry does not match params: layer {i} state is {g}, but these params "
+                               f"({params.dtype}) need {w}")
     if carry.logits.shape[-1] != params.config.vocab_size:
         raise RequestError(f"carry does not match params: logits over {carry.logits.shape[-1]} tokens, the "
                            f"vocabulary has {params.config.vocab_size}")

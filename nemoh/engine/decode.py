@@ -55,6 +55,7 @@ def step(params: ModelParams, carry: DecodeCarry) -> DecodeCarry:
         logits=jnp.where(live[:, None], logits, carry.logits),
         stop_ids=carry.stop_ids,
         sampling=carry.sampling,
+        state_shape=carry.state_shape,
         placement=carry.placement,
     )
 

@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 
 from nemoh import validate
-from nemoh.config import ATTENTION, NemotronHConfig
 from nemoh.errors import CacheCapacityError, RequestError
 
 
@@ -29,11 +28,6 @@ class CacheSpec:
             raise RequestError("give num_pages or memory_budget_bytes, not both")
 
 
-def page_bytes(cfg: NemotronHConfig, page_size: int, itemsize: int) -> int:
-    """Bytes one page costs across every attention layer (K and V)."""
-    return 2 * len(cfg.layers_of(ATTENTION)) * page_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
-
-
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
@@ -46,20 +40,20 @@ def shard_pages(token_budgets: list[int], page_size: int, rows: int, shards: int
     return need
 
 
-def pool_sizes(cfg: NemotronHConfig, spec: CacheSpec, token_budgets: list[int], bucket_pages: int,
-               itemsize: int, rows: int, shards: int = 1) -> list[int]:
+def pool_sizes(page_bytes: int, spec: CacheSpec, token_budgets: list[int], bucket_pages: int, rows: int,
+               shards: int = 1) -> list[int]:
     """Pool sizes to try, preferred first, for sequences of `token_budgets[i]` tokens (prompt + new) in
-    `rows` slots: the user's num_pages / budget, or the bucket (`bucket_pages`) then exactly the pages
-    needed. With batch shards (a mesh splitting the batch) the pool splits into equal parts, one per
-    shard, each holding its rows' pages. Raises CacheCapacityError naming the need and the capacity
-    when the user's pool is too small."""
+    `rows` slots, in a pool whose pages cost `page_bytes` each (over every layer, K and V): the user's
+    num_pages / budget, or the bucket (`bucket_pages`) then exactly the pages needed. With batch shards
+    (a mesh splitting the batch) the pool splits into equal parts, one per shard, each holding its rows'
+    pages. Raises CacheCapacityError naming the need and the capacity when the user's pool is too small."""
     need = shard_pages(token_budgets, spec.page_size, rows, shards)
     if spec.num_pages is None and spec.memory_budget_bytes is None:
         return sorted({bucket_pages, shards * max(need)}, reverse=True)
     if spec.num_pages is not None:
         capacity, source = spec.num_pages, f"num_pages={spec.num_pages}"
     else:
-        per_page = max(page_bytes(cfg, spec.page_size, itemsize), 1)
+        per_page = max(page_bytes, 1)
         capacity = spec.memory_budget_bytes // per_page // shards * shards
         source = f"memory_budget_bytes={spec.memory_budget_bytes} ({per_page} bytes a page)"
     if shards == 1 and need[0] > capacity:

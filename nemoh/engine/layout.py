@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from nemoh.config import NemotronHConfig
+from nemoh.engine.carry import StateCosts
 from nemoh.engine.kv_pages import CacheSpec, pages_for, pool_sizes
 from nemoh.engine.memory import free_bytes, request_bytes
 from nemoh.errors import CacheCapacityError
@@ -49,11 +50,12 @@ class Layout:
     shards: int = 1
 
 
-def plan(cfg: NemotronHConfig, lengths: list[int], max_new_tokens: int, cache: CacheSpec, prefill_chunk: int,
-         num_stops: int, itemsize: int, device, shards: int = 1) -> Layout:
-    """The layout of a request of prompts of `lengths`: the bucketed pool when it fits `device`'s free
-    memory, else the exact one; CacheCapacityError (need and free memory) when neither fits. shards:
-    the batch shards of a mesh (batch slots rounded up to a multiple of it)."""
+def plan(cfg: NemotronHConfig, costs: StateCosts, lengths: list[int], max_new_tokens: int, cache: CacheSpec,
+         prefill_chunk: int, num_stops: int, device, shards: int = 1) -> Layout:
+    """The layout of a request of prompts of `lengths` for a model whose carried states cost `costs`:
+    the bucketed pool when it fits `device`'s free memory, else the exact one; CacheCapacityError (need
+    and free memory) when neither fits. shards: the batch shards of a mesh (batch slots rounded up to a
+    multiple of it)."""
     budgets = [n + max_new_tokens for n in lengths]
     capacity = bucket(max(budgets), MIN_ROW_TOKENS)
     rows = -(-row_bucket(len(lengths)) // shards) * shards
@@ -61,10 +63,10 @@ def plan(cfg: NemotronHConfig, lengths: list[int], max_new_tokens: int, cache: C
     row_tokens = -(-capacity // chunk) * chunk
     pages_per_row = pages_for(row_tokens, cache.page_size)
     free, source = free_bytes(device)
-    for num_pages in pool_sizes(cfg, cache, budgets, rows * pages_per_row, itemsize, rows, shards):
+    for num_pages in pool_sizes(costs.per_page, cache, budgets, rows * pages_per_row, rows, shards):
         lay = Layout(rows, chunk, row_tokens, cache.page_size, pages_per_row, num_pages,
                      bucket(num_stops, MIN_STOP_SLOTS), shards)
-        need = request_bytes(cfg, lay, itemsize)
+        need = request_bytes(cfg, costs, lay)
         if sum(need.values()) <= free:
             return lay
     parts = ", ".join(f"{k} {v:.3g}" for k, v in need.items())

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from nemoh.config import ATTENTION, MAMBA, NemotronHConfig
-from nemoh.engine.kv_pages import page_bytes
+from nemoh.config import NemotronHConfig
 
 if TYPE_CHECKING:
+    from nemoh.engine.carry import StateCosts
     from nemoh.engine.layout import Layout
 
 F32 = 4
@@ -29,22 +29,20 @@ def free_bytes(device) -> tuple[int, str]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), f"{device}: host free pages"
 
 
-def request_bytes(cfg: NemotronHConfig, lay: Layout, itemsize: int) -> dict[str, int]:
-    """Bytes by part: the KV pool; the carry (Mamba states, token and block tables, logits); and the
-    activations of the largest program, a prefill chunk of rows x chunk tokens: one layer's widest
-    intermediates (4 live fp32 buffers), the SSD's chunked terms, attention scores over the row
-    capacity, and the logits with the sampler's sorted copies."""
+def request_bytes(cfg: NemotronHConfig, costs: StateCosts, lay: Layout) -> dict[str, int]:
+    """Bytes by part: the KV pool; the carry (the layers' states, token and block tables, logits); and
+    the activations of the largest program, a prefill chunk of rows x chunk tokens: one layer's widest
+    intermediates (4 live fp32 buffers), the SSD's chunked terms (when a layer carries a per-row state),
+    attention scores over the row capacity (when layers hold KV pages), and the logits with the
+    sampler's sorted copies."""
     rows, chunk, row_tokens = lay.rows, lay.chunk, lay.row_tokens
-    n_mamba, n_attn = len(cfg.layers_of(MAMBA)), len(cfg.layers_of(ATTENTION))
-    mamba_row = (cfg.conv_kernel - 1) * cfg.conv_dim * itemsize + cfg.mamba_intermediate * cfg.ssm_state_size * F32
-    carry = rows * (n_mamba * mamba_row + (row_tokens + lay.pages_per_row) * 4 + cfg.vocab_size * F32)
+    carry = rows * (costs.per_row + (row_tokens + lay.pages_per_row) * 4 + cfg.vocab_size * F32)
     tokens = rows * chunk
     width = max(cfg.hidden_size, cfg.in_proj_dim, cfg.intermediate_size,
                 cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.moe_shared_expert_intermediate_size)
     Q, nh = cfg.chunk_size, cfg.mamba_num_heads
-    ssd = tokens * nh * (Q + cfg.mamba_head_dim * cfg.ssm_state_size // Q) * F32 if n_mamba else 0
+    ssd = tokens * nh * (Q + cfg.mamba_head_dim * cfg.ssm_state_size // Q) * F32 if costs.per_row else 0
     attention = rows * row_tokens * F32 * (2 * cfg.num_attention_heads * chunk
-                                           + 2 * cfg.num_key_value_heads * cfg.head_dim) if n_attn else 0
+                                           + 2 * cfg.num_key_value_heads * cfg.head_dim) if costs.per_page else 0
     activations = 4 * tokens * width * F32 + ssd + attention + 4 * rows * cfg.vocab_size * F32
-    kv = lay.num_pages * page_bytes(cfg, lay.page_size, itemsize)
-    return {"KV pool": kv, "carry": carry, "activations": activations}
+    return {"KV pool": lay.num_pages * costs.per_page, "carry": carry, "activations": activations}

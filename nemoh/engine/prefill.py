@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemoh import validate
-from nemoh.engine.carry import DecodeCarry, initial_states, raise_if_nonfinite
+from nemoh.engine.carry import DecodeCarry, initial_states, raise_if_nonfinite, state_costs
 from nemoh.engine.kv_pages import CacheSpec, block_tables
 from nemoh.engine.layout import MAX_ROW_TOKENS, Layout, plan
 from nemoh.engine.sampling import Sampling, SamplingState, sample, sampling_state
 from nemoh.layers.context import TokenContext
+from nemoh.layers.protocol import StateShape
 from nemoh.model import ModelParams, logits_from_hidden, run_layers
 from nemoh.sharding.params import resolve
 from nemoh.sharding.placement import Placement, batch_shards, constrain, tracing
@@ -59,7 +60,8 @@ def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, 
         return constrain(states, x.placement), jnp.where(ends_here[:, None], row_h, last_hidden)
 
     n_chunks = (jnp.max(x.lengths) + chunk - 1) // chunk
-    start_state = (constrain(initial_states(params.config, params.dtype, rows, num_pages, page_size), x.placement),
+    state_shape = StateShape(rows, num_pages, page_size, jnp.dtype(params.dtype))
+    start_state = (constrain(initial_states(params, state_shape), x.placement),
                    jnp.zeros((rows, params.config.hidden_size), params.dtype))
     with tracing(x.placement):
         states, last_hidden = jax.lax.fori_loop(0, n_chunks, run_chunk, start_state)
@@ -74,7 +76,8 @@ def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, 
         sequences=x.sequences.at[jnp.arange(rows), at].set(tok, mode="drop"),
         num_generated=num_generated, max_new=x.max_new,
         finished=~real | jnp.isin(tok, x.stop_ids) | (num_generated >= x.max_new) | nonfinite,
-        nonfinite=nonfinite, logits=logits, stop_ids=x.stop_ids, sampling=x.sampling, placement=x.placement,
+        nonfinite=nonfinite, logits=logits, stop_ids=x.stop_ids, sampling=x.sampling, state_shape=state_shape,
+        placement=x.placement,
     ), x.placement)
 
 
@@ -122,15 +125,15 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
     validate.instance("cache", cache, CacheSpec, "a CacheSpec")
     prefill_chunk = validate.integer("prefill_chunk", prefill_chunk, 1, MAX_ROW_TOKENS)
     params, placement = resolve(params, mesh, rules)
-    lay = plan(cfg, [len(p) for p in prompts], max_new_tokens, cache, prefill_chunk, len(stop_ids),
-               jnp.dtype(params.dtype).itemsize, next(iter(params.embed.devices())), batch_shards(placement))
+    lay = plan(cfg, state_costs(params, cache.page_size), [len(p) for p in prompts], max_new_tokens, cache,
+               prefill_chunk, len(stop_ids), next(iter(params.embed.devices())), batch_shards(placement))
     state = sampling_state(sampling, seeds, prompts, cfg.vocab_size, lay.rows)
     x = dataclasses.replace(_inputs(prompts, lay, max_new_tokens, stop_ids, state), placement=placement)
     if placement is None:
         x = jax.device_put(x)
     else:  # the carry's layout is checked (MeshError) before anything is sent
-        placement.specs(jax.eval_shape(lambda: initial_states(cfg, params.dtype, lay.rows, lay.num_pages,
-                                                              lay.page_size)), "carry.states")
+        shape = StateShape(lay.rows, lay.num_pages, lay.page_size, jnp.dtype(params.dtype))
+        placement.specs(jax.eval_shape(lambda: initial_states(params, shape)), "carry.states")
         x = placement.place(x)
     carry = _prefill(params, x, chunk=lay.chunk, num_pages=lay.num_pages, page_size=lay.page_size)
     raise_if_nonfinite(carry)

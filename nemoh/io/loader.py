@@ -49,8 +49,8 @@ class _Reader:
     `build_params` asks a reader for tensors by HF name; nemoh.random_params passes one that draws them.
     """
 
-    def __init__(self, src: TensorSource, spec: QuantSpec | None, dtype):
-        self.src, self.spec, self.dtype = src, spec, dtype
+    def __init__(self, src: TensorSource, spec: QuantSpec | None, dtype, activation_quant: bool = False):
+        self.src, self.spec, self.dtype, self.activation_quant = src, spec, dtype, activation_quant
         self.finite: list[tuple[str, jax.Array]] = []
 
     def _track(self, name: str, x: jax.Array) -> None:
@@ -70,7 +70,7 @@ class _Reader:
         return x
 
     def linear(self, module: str, out_dim: int, in_dim: int):
-        w = read_linear(self.src, module, self.spec, (out_dim, in_dim), self.dtype)
+        w = read_linear(self.src, module, self.spec, (out_dim, in_dim), self.dtype, self.activation_quant)
         if isinstance(w, (jax.Array, FP8Weight)):  # NVFP4 codes cannot be NaN; its scales are checked on read
             self._track(module + ".weight", w.data if isinstance(w, FP8Weight) else w)
         return w
@@ -84,8 +84,15 @@ class _Reader:
                                   f"(as loaded in {self.dtype})")
 
     def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
-        """One [E, out, in] weight (of any type) from E per-expert modules."""
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *[self.linear(m, out_dim, in_dim) for m in modules])
+        """One [E, out, in] weight (of any type) from E per-expert modules, all in one format."""
+        weights = [self.linear(m, out_dim, in_dim) for m in modules]
+        kinds = [(type(w).__name__, getattr(w, "input_scale", None) is not None) for w in weights]
+        odd = next((m for m, k in zip(modules, kinds) if k != kinds[0]), None)
+        if odd is not None:
+            raise CheckpointError(f"module {odd}: stored as {kinds[modules.index(odd)][0]} but {modules[0]} as "
+                                  f"{kinds[0][0]} (input_scale used: {kinds[0][1]}); nemoh stacks a layer's "
+                                  f"experts in one format")
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *weights)
 
 
 def _on_host(make):
@@ -107,11 +114,11 @@ class _DeferredReader(_Reader):
                      lambda: _on_host(lambda: _Reader.vector(self, name, shape, dtype))).tree()
 
     def linear(self, module: str, out_dim: int, in_dim: int):
-        return Whole(abstract_linear(self.spec, module, (out_dim, in_dim), self.dtype),
+        return Whole(abstract_linear(self.spec, module, (out_dim, in_dim), self.dtype, self.activation_quant),
                      lambda: _on_host(lambda: _Reader.linear(self, module, out_dim, in_dim))).tree()
 
     def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
-        one = abstract_linear(self.spec, modules[0], (out_dim, in_dim), self.dtype)
+        one = abstract_linear(self.spec, modules[0], (out_dim, in_dim), self.dtype, self.activation_quant)
         stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct((len(modules), *a.shape), a.dtype), one)
         return Stacked(stack, lambda j: _on_host(lambda: _Reader.linear(self, modules[j], out_dim, in_dim)),
                        lambda j: modules[j]).tree()
@@ -210,19 +217,23 @@ def build_params(cfg: NemotronHConfig, reader, embed_key: str = EMBEDDING_KEYS[0
     )
 
 
-def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding=None, mesh=None,
-         rules=None) -> ModelParams:
+def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding=None,
+         activation_quant: bool = False, mesh=None, rules=None) -> ModelParams:
     """Load a NemotronH checkpoint directory: Hugging Face layout (config.json + model.safetensors or an
     index of shards, ModelOpt-quantised or not), or a directory written by nemoh.save.
 
     dtype: the dtype of dense weights and activations, float32, bfloat16 or float16 (router and SSM
-    parameters stay fp32); None means bfloat16 for a Hugging Face checkpoint and the saved dtype for a nemoh.save directory, which is
-    restored exactly as saved (another dtype is refused). progress: show a progress bar (default: only
-    for checkpoints of 1 GiB and more). sharding: where a nemoh.save directory's leaves go (see
-    nemoh.io.persist.restore). mesh, rules: lay the params out over a jax Mesh by the rules
-    (nemoh.sharding; default DEFAULT_RULES): every tensor goes straight onto its shards as it is read,
-    each device reading only its own experts; a mesh axis that does not divide a dim it splits raises
-    MeshError (naming the tensor, the dim and the axis) before anything is read.
+    parameters stay fp32); None means bfloat16 for a Hugging Face checkpoint and the saved dtype for a
+    nemoh.save directory, which is restored exactly as saved (another dtype is refused).
+    progress: show a progress bar (default: only for checkpoints of 1 GiB and more).
+    sharding: where a nemoh.save directory's leaves go (see nemoh.io.persist.restore).
+    activation_quant: where a ModelOpt config quantises a linear's activations (FP8, NVFP4), run it so:
+    FP8 as W8A8 and NVFP4 as emulated W4A4, with the stored input_scale (docs/checkpoint_formats.md).
+    Default False: every quantised linear is weight-only (W8A16 / W4A16) and input scales go unused.
+    mesh, rules: lay the params out over a jax Mesh by the rules (nemoh.sharding; default
+    DEFAULT_RULES): every tensor goes straight onto its shards as it is read, each device reading only
+    its own experts; a mesh axis that does not divide a dim it splits raises MeshError (naming the
+    tensor, the dim and the axis) before anything is read.
     """
     path = validate.path("path", path)
     dtype = None if dtype is None else validate.float_dtype("dtype", dtype)
@@ -243,7 +254,8 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
     dtype = jnp.bfloat16 if dtype is None else dtype
     cfg = NemotronHConfig.from_json_file(path / "config.json")
     src = TensorSource(path)
-    reader = (_Reader if placement is None else _DeferredReader)(src, QuantSpec.from_dir(path), jnp.dtype(dtype))
+    reader = (_Reader if placement is None else _DeferredReader)(src, QuantSpec.from_dir(path), jnp.dtype(dtype),
+                                                                 activation_quant)
 
     embed_key = next((k for k in EMBEDDING_KEYS if src.has(k)), None)
     if embed_key is None:

@@ -3,8 +3,12 @@
 Formats: pallas_kernels.formats. The config comes from hf_quant_config.json
 ({"quantization": {...}}) when present, else from config.json "quantization_config" (quant_method
 "modelopt"); when both exist their quant_algo must agree and hf_quant_config.json's lists are used.
-Every tensor is checked against what the config says the module is, so a checkpoint whose tensors and
-config disagree fails at load with a CheckpointError naming the tensor and its file.
+Module names are read as ModelOpt writes them: a name carrying its export marker (".<NUL>..._name_sentinel",
+left behind by ModelOpt 0.47's model.->backbone. rename) is cut back to the module name, and a module
+named in exclude_modules / quantized_layers covers the submodules beneath it at a "." boundary (e.g. one
+"backbone.layers.2.mixer.experts" entry for every routed expert). Every tensor is checked against what
+the config says the module is, so a checkpoint whose tensors and config disagree fails at load with a
+CheckpointError naming the tensor and its file.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import dataclasses
 import fnmatch
 import functools
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -27,8 +32,12 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 CONFIG = "config.json"
 MIXED = "MIXED_PRECISION"
 DENSE_DTYPES = ("F32", "BF16", "F16")
-_ALGO_ALIASES = {"NVFP4": "NVFP4", "W4A16_NVFP4": "NVFP4", "FP8": "FP8"}  # stored name -> weight format
+# stored quant_algo -> (weight format, activation format or None for weight-only)
+ALGO_FORMATS = {"NVFP4": ("NVFP4", "NVFP4"), "W4A16_NVFP4": ("NVFP4", None), "FP8": ("FP8", "FP8")}
 _QUANTISED_DTYPES = ("U8", "F8_E4M3", "F8_E5M2", "I8")
+# ModelOpt 0.47 appends ".\x00modelopt_name_sentinel" to a name before renaming it and strips it after; its
+# model.->backbone. rename rewrites the marker first ("\x00backbone.pt_name_sentinel"), so the strip misses.
+_NAME_MARKER = re.compile(r"\.\x00[^\x00]*_name_sentinel(\.?\*)?\Z")
 
 
 def matches_any(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
@@ -36,14 +45,33 @@ def matches_any(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
     return any(fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
+def module_and_parents(module: str) -> list[str]:
+    """"a.b.c" -> ["a.b.c", "a.b", "a"]: the module and every module above it at a "." boundary."""
+    parts = module.split(".")
+    return [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
+
+
+def normalise_module_name(name: str, where: str) -> str:
+    """A module name or pattern as ModelOpt meant it: its export marker cut off, a trailing "*" / ".*" kept.
+
+    A NUL never occurs in a real module name, so one anywhere but in the marker is a CheckpointError."""
+    if "\x00" not in name:
+        return name
+    hit = _NAME_MARKER.search(name)
+    if hit is None or "\x00" in name[: hit.start()]:
+        raise CheckpointError(f"{where}: module name {name!r} holds a NUL byte that is not ModelOpt's name marker")
+    return name[: hit.start()] + (hit.group(1) or "")
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
     """What a ModelOpt checkpoint says is quantised.
 
-    quant_algo: "NVFP4" | "FP8" | "MIXED_PRECISION" | None (weights dense, only the KV cache quantised);
-    exclude: fnmatch patterns of modules kept dense (NVFP4 / FP8); quantized_layers (MIXED_PRECISION only):
-    sorted (module, "FP8" | "NVFP4") pairs, a module not listed being dense; kv_cache_quant_algo: None | "FP8";
-    source: the file it was read from (named in errors).
+    quant_algo: "NVFP4" | "W4A16_NVFP4" | "FP8" | "MIXED_PRECISION" | None (weights dense, only the KV
+    cache quantised); exclude: fnmatch patterns of modules kept dense (not MIXED_PRECISION);
+    quantized_layers (MIXED_PRECISION only): sorted (module, quant_algo) pairs, a module covered by none
+    being dense; kv_cache_quant_algo: None | "FP8"; source: the file it was read from (named in errors).
+    Module names are normalised (`normalise_module_name`); an entry covers the submodules beneath it.
     """
 
     quant_algo: str | None
@@ -56,14 +84,26 @@ class QuantSpec:
     def _layer_algos(self) -> dict[str, str]:
         return dict(self.quantized_layers)
 
-    def algo_for(self, module: str) -> str | None:
-        """Weight format of one module: None (dense), "FP8" or "NVFP4". Under MIXED_PRECISION the explicit
-        quantized_layers entry decides (an unlisted module is dense); otherwise the exclude patterns do."""
+    def stored_algo_for(self, module: str) -> str | None:
+        """The quant_algo that covers one module ("NVFP4", "W4A16_NVFP4", "FP8"), None when it is dense.
+        Under MIXED_PRECISION the nearest quantized_layers entry at or above the module decides; otherwise
+        the module is dense when it or a module above it matches an exclude pattern."""
+        scopes = module_and_parents(module)
         if self.quant_algo == MIXED:
-            return self._layer_algos.get(module)
-        if self.quant_algo is None or matches_any(module, self.exclude):
+            return next((self._layer_algos[m] for m in scopes if m in self._layer_algos), None)
+        if self.quant_algo is None or any(matches_any(m, self.exclude) for m in scopes):
             return None
         return self.quant_algo
+
+    def algo_for(self, module: str) -> str | None:
+        """Weight format of one module: None (dense), "FP8" or "NVFP4"."""
+        algo = self.stored_algo_for(module)
+        return ALGO_FORMATS[algo][0] if algo else None
+
+    def activation_algo_for(self, module: str) -> str | None:
+        """Activation format the config gives one module: "FP8", "NVFP4" or None (weight-only / dense)."""
+        algo = self.stored_algo_for(module)
+        return ALGO_FORMATS[algo][1] if algo else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> QuantSpec | None:
@@ -71,12 +111,12 @@ class QuantSpec:
         path = Path(path)
         specs = []
         if (path / HF_QUANT_CONFIG).exists():
-            raw = _read_json(path / HF_QUANT_CONFIG)
+            raw = read_json(path / HF_QUANT_CONFIG)
             if not isinstance(raw.get("quantization"), dict):
                 raise CheckpointError(f"{path / HF_QUANT_CONFIG}: no \"quantization\" object")
             specs.append(cls.from_hf_quant_config(raw["quantization"], str(path / HF_QUANT_CONFIG)))
         if (path / CONFIG).exists():
-            qc = _read_json(path / CONFIG).get("quantization_config")
+            qc = read_json(path / CONFIG).get("quantization_config")
             if qc is not None:
                 specs.append(cls.from_quantization_config(qc, f"{path / CONFIG} quantization_config"))
         if len(specs) == 2:  # config.json without a quant_algo (compressed-tensors style) adds nothing to check
@@ -109,7 +149,7 @@ class QuantSpec:
             raise CheckpointError(f"{source}: not a JSON object")
         algo = section.get("quant_algo")
         if algo is not None and algo != MIXED:
-            algo = _weight_format(algo, section.get("group_size"), f"{source} quant_algo")
+            algo = _checked_algo(algo, section.get("group_size"), f"{source} quant_algo")
         if kv_algo not in (None, "FP8"):
             raise CheckpointError(f"{source}: kv_cache_quant_algo {kv_algo!r} is not supported (only FP8)")
         if exclude is None:
@@ -121,27 +161,33 @@ class QuantSpec:
             raise CheckpointError(f"{source}: quantized_layers must be an object, got {layers!r}")
         if algo is None and kv_algo is None:
             return None
-        per_module = tuple(sorted((m, _layer_format(m, cfg, source)) for m, cfg in layers.items())) \
-            if algo == MIXED else ()
-        return cls(algo, tuple(exclude), per_module, kv_algo, source)
+        exclude = tuple(normalise_module_name(p, f"{source} exclude") for p in exclude)
+        per_module: dict[str, str] = {}
+        for raw, cfg in (layers.items() if algo == MIXED else ()):
+            module = normalise_module_name(raw, f"{source} quantized_layers")
+            layer_algo = _layer_algo(module, cfg, source)
+            if per_module.setdefault(module, layer_algo) != layer_algo:
+                raise CheckpointError(f"{source}: quantized_layers names module {module} twice, as "
+                                      f"{per_module[module]} and {layer_algo}")
+        return cls(algo, exclude, tuple(sorted(per_module.items())), kv_algo, source)
 
 
-def _layer_format(module: str, cfg, source: str) -> str:
-    """One quantized_layers entry ({"quant_algo": ..., "group_size": ...}) -> "NVFP4" | "FP8"."""
+def _layer_algo(module: str, cfg, source: str) -> str:
+    """One quantized_layers entry ({"quant_algo": ..., "group_size": ...}) -> its quant_algo."""
     if not isinstance(cfg, dict) or "quant_algo" not in cfg:
         raise CheckpointError(f"{source}: quantized_layers entry for module {module} has no quant_algo: {cfg!r}")
-    return _weight_format(cfg["quant_algo"], cfg.get("group_size"), f"{source} module {module}")
+    return _checked_algo(cfg["quant_algo"], cfg.get("group_size"), f"{source} module {module}")
 
 
-def _weight_format(algo, group_size, where: str) -> str:
-    """A stored quant_algo (+ group_size) -> "NVFP4" | "FP8"; CheckpointError naming `where` otherwise."""
-    fmt = _ALGO_ALIASES.get(algo) if isinstance(algo, str) else None
-    if fmt is None:
+def _checked_algo(algo, group_size, where: str) -> str:
+    """A stored quant_algo (+ group_size), checked: "NVFP4" | "W4A16_NVFP4" | "FP8"; CheckpointError
+    naming `where` otherwise."""
+    if not isinstance(algo, str) or algo not in ALGO_FORMATS:
         raise CheckpointError(f"{where}: quant_algo {algo!r} is not supported (supported: "
-                              f"{sorted(_ALGO_ALIASES)} and {MIXED})")
-    if fmt == "NVFP4" and group_size not in (None, NVFP4_BLOCK):
+                              f"{sorted(ALGO_FORMATS)} and {MIXED})")
+    if ALGO_FORMATS[algo][0] == "NVFP4" and group_size not in (None, NVFP4_BLOCK):
         raise CheckpointError(f"{where}: NVFP4 group_size {group_size!r} is not supported (only {NVFP4_BLOCK})")
-    return fmt
+    return algo
 
 
 def _kv_algo_of_scheme(scheme, source: str) -> str | None:
@@ -153,7 +199,8 @@ def _kv_algo_of_scheme(scheme, source: str) -> str | None:
     raise CheckpointError(f"{source}: kv_cache_scheme {scheme!r} is not supported (only 8-bit float)")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from `path` (CheckpointError naming the file when unreadable or not an object)."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -163,18 +210,30 @@ def _read_json(path: Path) -> dict:
     return raw
 
 
-def _scalar(src: TensorSource, name: str) -> jnp.ndarray:
-    """A float32 0-d scale tensor, checked finite and >= 0."""
+def _scalar(src: TensorSource, name: str, positive: bool = False) -> jnp.ndarray:
+    """A float32 0-d scale tensor, checked finite and >= 0 (> 0 when `positive`)."""
     value = src.get(name, shape=(), dtypes=("F32",))
-    if not (np.isfinite(value) and value >= 0):
-        raise CheckpointError(f"tensor {name} in {src.file_of(name)}: scale {float(value)} is not finite and >= 0")
+    if not (np.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise CheckpointError(f"tensor {name} in {src.file_of(name)}: scale {float(value)} is not finite and "
+                              f"{'> 0' if positive else '>= 0'}")
     return jnp.asarray(value, jnp.float32)
 
 
-def _mark_input_scale(src: TensorSource, module: str) -> None:
-    """Accept an activation scale without loading it: nemoh's kernels are weight-only (W8A16 / W4A16)."""
-    if src.has(module + ".input_scale"):
-        src.mark_used(module + ".input_scale")
+def _input_scale(src: TensorSource, module: str, spec: QuantSpec, activation_quant: bool) -> jnp.ndarray | None:
+    """The activation scale a quantised module runs with: its ".input_scale" when `activation_quant` and the
+    config quantises the module's activations (a missing one is a CheckpointError), else None (weight-only;
+    a stored input_scale is accepted and left unused)."""
+    name = module + ".input_scale"
+    act = spec.activation_algo_for(module) if activation_quant else None
+    if act is None:
+        if src.has(name):
+            src.mark_used(name)
+        return None
+    if not src.has(name):
+        raise CheckpointError(f"tensor {name} is missing from the checkpoint in {src.directory}: {spec.source} "
+                              f"quantises the activations of {module} ({act}); load with activation_quant=False "
+                              f"to run it weight-only")
+    return _scalar(src, name, positive=True)
 
 
 def _read_dense(src: TensorSource, module: str, spec: QuantSpec | None, shape, dtype) -> jnp.ndarray:
@@ -198,7 +257,7 @@ def _refuse_dense(src: TensorSource, module: str, algo: str, spec: QuantSpec) ->
 
 def stored_tensors(algo: str, module: str, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], str]]:
     """The tensors a quantised module of logical shape [out, in] is stored as: {suffix: (shape,
-    safetensors dtype)}, in the order its format's from_hf takes them."""
+    safetensors dtype)}, in the order its format's from_hf takes them (the optional input_scale aside)."""
     out_dim, in_dim = shape
     if algo == "FP8":
         return {"weight": (tuple(shape), "F8_E4M3"), "weight_scale": ((), "F32")}
@@ -212,25 +271,32 @@ def stored_tensors(algo: str, module: str, shape: tuple[int, int]) -> dict[str, 
 _FORMATS = {"FP8": FP8Weight, "NVFP4": NVFP4Weight}
 
 
-def abstract_linear(spec: QuantSpec | None, module: str, shape: tuple[int, int], dtype) -> Weight:
+def abstract_linear(spec: QuantSpec | None, module: str, shape: tuple[int, int], dtype,
+                    activation_quant: bool = False) -> Weight:
     """What read_linear gives for `module`, with jax.ShapeDtypeStruct leaves: nothing is read."""
     algo = spec.algo_for(module) if spec else None
     if algo is None:
         return jax.ShapeDtypeStruct(tuple(shape), dtype)
     stored = [jax.ShapeDtypeStruct(s, SAFETENSORS_DTYPES[d]) for s, d in stored_tensors(algo, module, shape).values()]
+    if activation_quant and spec.activation_algo_for(module):
+        stored.append(jax.ShapeDtypeStruct((), jnp.float32))
     return jax.eval_shape(_FORMATS[algo].from_hf, *stored)
 
 
-def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: tuple[int, int], dtype) -> Weight:
+def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: tuple[int, int], dtype,
+                activation_quant: bool = False) -> Weight:
     """Load one linear module's weight, logical shape [out, in], in the format the config gives it.
 
     Dense: a jnp array of `dtype` (stored F32/BF16/F16). FP8 / NVFP4: FP8Weight / NVFP4Weight built
-    from the stored tensors (`from_hf`, in the kernels' layout); `dtype` is unused for quantised weights. An ".input_scale" is accepted and marked used, never loaded.
+    from the stored tensors (`from_hf`, in the kernels' layout); `dtype` is unused for quantised weights.
+    activation_quant: give the weight its ".input_scale" where the config quantises the module's
+    activations (W8A8 / W4A4); otherwise the weight is weight-only and an input_scale is left unused.
     """
     algo = spec.algo_for(module) if spec else None
     if algo is None:
         return _read_dense(src, module, spec, shape, dtype)
     _refuse_dense(src, module, algo, spec)
+    input_scale = _input_scale(src, module, spec, activation_quant)
     stored = {}
     for suffix, (tensor_shape, tensor_dtype) in stored_tensors(algo, module, shape).items():
         name = f"{module}.{suffix}"
@@ -238,8 +304,7 @@ def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: t
     if algo == "NVFP4" and np.isnan(stored["weight_scale"].astype(np.float32)).any():
         name = module + ".weight_scale"
         raise CheckpointError(f"tensor {name} in {src.file_of(name)}: NaN block scale")
-    _mark_input_scale(src, module)
-    return _FORMATS[algo].from_hf(*stored.values())
+    return _FORMATS[algo].from_hf(*stored.values(), input_scale)
 
 
 def read_kv_scales(src: TensorSource, module_prefix: str) -> tuple[jnp.ndarray, jnp.ndarray] | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from nemoh.errors import CheckpointError
 from nemoh.io.layout import hf_layout
 from nemoh.io.loader import build_params
 from nemoh.io.modelopt import CONFIG, HF_QUANT_CONFIG
@@ -71,6 +72,10 @@ def _named_tensors(params: ModelParams):
 def save_hf(params: ModelParams, directory: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write `params` as an HF-layout checkpoint into the new directory `directory`; returns it."""
     directory = Path(directory)
+    for i, (layer, kind) in enumerate(zip(params.layers, params.config.layer_kinds, strict=True)):
+        if getattr(type(layer), "HF_KIND", None) != kind:
+            raise CheckpointError(f"layer {i} ({type(layer).__name__}): the Hugging Face layout has no place for "
+                                  f"it (the config says {kind}); save it with nemoh.save instead")
     specs = {s.name: s for s in hf_layout(params.config)}
     new_output_dir(directory)
     writer = ShardWriter(directory, max_shard_bytes)

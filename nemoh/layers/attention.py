@@ -9,13 +9,15 @@ their own position: the same code serves chunked prefill (T rows) and decode (T 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from nemoh.config import NemotronHConfig
+from nemoh.config import ATTENTION, NemotronHConfig
 from nemoh.errors import MeshError
 from nemoh.layers.context import TokenContext
+from nemoh.layers.protocol import StateShape
 from nemoh.sharding.local import axis_position, fit_rows, per_device, psum32, rows_spec
 from nemoh.sharding.rules import BATCH, KV_HEADS, Q_HEADS
 from pallas_kernels import Weight, linear
@@ -31,6 +33,14 @@ class AttentionParams:
     k_proj: Weight
     v_proj: Weight
     o_proj: Weight
+
+    HF_KIND: ClassVar[str] = ATTENTION
+
+    def mix(self, h, cfg, state, ctx):
+        return attention_mixer(self, h, cfg, state, ctx)
+
+    def init_state(self, cfg, shape: StateShape) -> "KVPages":
+        return KVPages.zeros(cfg, shape.num_pages, shape.page_size, shape.dtype)
 
 
 @jax.tree_util.register_dataclass

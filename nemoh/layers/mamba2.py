@@ -9,14 +9,16 @@ conv window is taken from the last real rows.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from nemoh.config import NemotronHConfig
+from nemoh.config import MAMBA, NemotronHConfig
 from nemoh.errors import MeshError
 from nemoh.layers.norms import gated_rms_norm
+from nemoh.layers.protocol import StateShape
 from nemoh.layers.ssd import ssd_chunked, ssd_step
 from nemoh.sharding.local import axis_position, fit_rows, per_device, psum32, rows_spec
 from nemoh.sharding.placement import Placement
@@ -39,6 +41,14 @@ class MambaParams:
     dt_bias: jax.Array
     gate_norm: jax.Array
     out_proj: Weight
+
+    HF_KIND: ClassVar[str] = MAMBA
+
+    def mix(self, h, cfg, state, ctx):
+        return mamba2_mixer(self, h, cfg, state, ctx.valid_len, ctx.placement)
+
+    def init_state(self, cfg, shape: StateShape) -> "MambaState":
+        return MambaState.zeros(cfg, shape.batch, shape.dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -8,13 +8,15 @@ only the selected experts' weights, in their stored (packed) form, for decode an
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from nemoh.config import NemotronHConfig
+from nemoh.config import MOE, NemotronHConfig
 from nemoh.errors import MeshError
 from nemoh.layers.mlp import relu2_mlp
+from nemoh.layers.protocol import Stateless
 from nemoh.sharding.local import axis_position, first_only, fit_rows, per_device, psum32, rows_spec
 from nemoh.sharding.placement import Placement
 from nemoh.sharding.rules import BATCH, SHARED_MLP
@@ -23,7 +25,7 @@ from pallas_kernels import Weight, linear, moe_experts
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MoEParams:
+class MoEParams(Stateless):
     """norm [H]; router [E, H] fp32; router_bias [E] fp32; experts_up [E, F, L]; experts_down [E, L, F]
     (L = moe_latent_size or H); shared_up [Fs, H], shared_down [H, Fs] or None;
     latent_in [L, H], latent_out [H, L] or None."""
@@ -37,6 +39,11 @@ class MoEParams:
     shared_down: Weight | None
     latent_in: Weight | None
     latent_out: Weight | None
+
+    HF_KIND: ClassVar[str] = MOE
+
+    def mix(self, h, cfg, state, ctx):
+        return moe_mixer(self, h, cfg, ctx.token_mask(), ctx.placement), state
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: NemotronHConfig) -> tuple[jax.Array, jax.Array]:

@@ -199,6 +199,8 @@ def tree_specs(tree, rules: Rules, mesh_shape: Mapping[str, int], where: str = "
         return visit_leaf(node, where, axes, "")
 
     def visit_leaf(leaf, where, axes, note):
+        if leaf is None:  # an optional leaf (a weight-only format's input_scale)
+            return None
         shape = tuple(leaf.shape)
         return leaf_spec(where, shape, (None,) * len(shape) if axes is None else tuple(axes), rules, mesh_shape,
                          note)
