@@ -71,11 +71,15 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: NemotronHConfig
 
 
 def _routed(p: MoEParams, x: jax.Array, cfg: NemotronHConfig, valid: jax.Array | None, experts) -> jax.Array:
-    """The routed path of x [T, H]: route, latent_in, experts (moe_experts' signature), latent_out."""
+    """The routed path of x [T, H] up to the latent space: route, latent_in, experts (moe_experts'
+    signature) -> [T, L]."""
     idx, w = route(x, p.router, p.router_bias, cfg)
     xr = x if p.latent_in is None else linear(x, p.latent_in)
-    routed = experts(xr, idx, w, p.experts_up, p.experts_down, valid=valid)
-    return routed if p.latent_out is None else linear(routed, p.latent_out)
+    return experts(xr, idx, w, p.experts_up, p.experts_down, valid=valid)
+
+
+def _latent_out(p: MoEParams, y: jax.Array) -> jax.Array:
+    return y if p.latent_out is None else linear(y, p.latent_out)
 
 
 def _shared(p: MoEParams, x: jax.Array) -> jax.Array | None:
@@ -92,7 +96,7 @@ def moe_mixer(p: MoEParams, h: jax.Array, cfg: NemotronHConfig, valid: jax.Array
     valid = None if valid is None else valid.reshape(-1)
     if placement is not None:
         return moe_sharded(p, x, cfg, valid, placement).reshape(*lead, -1)
-    routed, shared = _routed(p, x, cfg, valid, moe_experts), _shared(p, x)
+    routed, shared = _latent_out(p, _routed(p, x, cfg, valid, moe_experts)), _shared(p, x)
     out = routed if shared is None else routed + shared
     return out.reshape(*lead, -1)
 
@@ -121,11 +125,12 @@ def moe_sharded(p: MoEParams, x: jax.Array, cfg: NemotronHConfig, valid: jax.Arr
 
     Exchange: a device holds the tokens of its batch shard (whole over the expert and tensor axes, as
     every layer leaves them), runs its own experts on the (token, expert) pairs routed to them and
-    leaves out every other pair (no weight reads for them); its routed and shared-expert parts then
-    enter one fp32 psum over the expert and tensor axes: one [T, H] collective per layer whatever the
-    top-k. (An all-to-all dispatch pays only when the tokens are spread over the expert axis; see
-    docs/multi_gpu.md for what was measured.) Each device has its own operands, so moe_experts runs
-    its kernel on a GPU."""
+    leaves out every other pair (no weight reads for them); one fp32 psum then adds the parts: one
+    collective per layer whatever the top-k. With the shared expert whole on every device the routed
+    parts are added in the latent space ([T, L]: a quarter of [T, H] for Nemotron-3 Super), else the
+    routed and shared parts together ([T, H], over the expert and tensor axes). An all-to-all dispatch
+    pays only when the tokens are spread over the expert axis (docs/multi_gpu.md has what was
+    measured). Each device has its own operands, so moe_experts runs its kernel on a GPU."""
     placement = fit_rows(placement, x.shape[0])
     e_axes, f_axes = expert_axes(placement)
     s_axes = placement.axes(SHARED_MLP)
@@ -141,11 +146,12 @@ def moe_sharded(p: MoEParams, x: jax.Array, cfg: NemotronHConfig, valid: jax.Arr
             mine = (idx >= first) & (idx < first + count)
             return moe_experts(xr, jnp.where(mine, idx - first, 0), w, up, down, valid=mine & valid[:, None])
 
-        out = first_only(_routed(p, x, cfg, valid, own_experts), tuple(a for a in axes if a not in e_axes + f_axes))
-        shared = _shared(p, x)
-        if shared is not None:
-            out = out + first_only(shared, tuple(a for a in axes if a not in s_axes))
-        return psum32(out, axes)
+        routed, shared = _routed(p, x, cfg, valid, own_experts), _shared(p, x)
+        if not s_axes:  # the shared expert is whole here: add the routed parts in the latent space
+            routed = _latent_out(p, psum32(routed, e_axes + f_axes))
+            return routed if shared is None else routed + shared
+        out = first_only(_latent_out(p, routed), tuple(a for a in axes if a not in e_axes + f_axes))
+        return psum32(out + first_only(shared, tuple(a for a in axes if a not in s_axes)), axes)
 
     return per_device(placement, local, (placement.specs(p), rows_spec(rows, 2), rows_spec(rows, 1)),
                       rows_spec(rows, 2))(p, x, valid)
