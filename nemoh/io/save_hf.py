@@ -20,7 +20,7 @@ from nemoh.errors import CheckpointError
 from nemoh.io.layout import hf_layout
 from nemoh.io.loader import build_params
 from nemoh.io.modelopt import CONFIG, HF_QUANT_CONFIG
-from nemoh.io.quantize import DEFAULT_SHARD_BYTES, ShardWriter, new_output_dir, quant_configs
+from nemoh.io.quantize import DEFAULT_SHARD_BYTES, ShardWriter, new_output_dir, quant_configs, stored_algos
 from nemoh.model import ModelParams
 from pallas_kernels import FP8Weight, NVFP4Weight, is_quantized
 
@@ -80,12 +80,14 @@ def save_hf(params: ModelParams, directory: str | Path, max_shard_bytes: int = D
     new_output_dir(directory)
     writer = ShardWriter(directory, max_shard_bytes)
     plan: dict[str, str | None] = {}
+    calibrated = True  # every quantised projection carries its activation scale
     for name, value in _named_tensors(params):
         spec = specs[name]
         if not spec.projection:
             writer.add(name, np.asarray(value).reshape(spec.shape))
         elif is_quantized(value):
             plan[name] = _FORMAT_NAMES[type(value)]
+            calibrated = calibrated and value.input_scale is not None
             for suffix, tensor in value.to_hf().items():
                 writer.add(f"{name}.{suffix}", np.asarray(tensor))
         else:
@@ -94,10 +96,8 @@ def save_hf(params: ModelParams, directory: str | Path, max_shard_bytes: int = D
     writer.finish()
     config = params.config.to_hf_dict()
     config["dtype"] = str(params.dtype)
-    formats = {f for f in plan.values() if f}
-    if formats:
-        algo = formats.pop() if len(formats) == 1 else "MIXED"
-        hf_quant, config["quantization_config"] = quant_configs(algo, plan, exclude=[])
+    if any(plan.values()):
+        hf_quant, config["quantization_config"] = quant_configs(params.config, stored_algos(plan, calibrated))
         (directory / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2) + "\n")
     (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return directory
