@@ -1,7 +1,11 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the 8-device mesh worker started beside the suite."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,38 @@ from oracle_configs import build_all
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CHECKPOINT = ROOT / "checkpoints" / "alice-nemotron-h"
+MESH_TESTS = "test_mesh.py"
+MESH_WORKER = pytest.StashKey[tuple[subprocess.Popen, Path]]()
+
+
+def start_mesh_worker() -> tuple[subprocess.Popen, Path]:
+    """Start tests/mesh_worker.py (jax on 8 host devices, in its own process) writing into a new
+    directory; its output goes to files there, so nothing blocks on a full pipe."""
+    out = Path(tempfile.mkdtemp(prefix="nemoh-mesh-"))
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "mesh_worker.py"), str(out)],
+                                stdout=stdout, stderr=stderr, cwd=ROOT)
+    return proc, out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """When mesh tests are selected, their worker (minutes of compiling on one core) starts now and
+    runs beside the rest of the suite, and the mesh tests go last."""
+    mesh = [item for item in items if item.path.name == MESH_TESTS]
+    if mesh:
+        items[:] = [item for item in items if item.path.name != MESH_TESTS] + mesh
+        config.stash[MESH_WORKER] = start_mesh_worker()
+
+
+def pytest_unconfigure(config):
+    started = config.stash.get(MESH_WORKER, None)
+    if started is not None:
+        proc, out = started
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+if __name__ == "__main__":  # imported (by test_mesh, for its constants) it leaves the importer's jax alone
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import collections  # noqa: E402
 import json  # noqa: E402

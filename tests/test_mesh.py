@@ -1,7 +1,8 @@
 """Sharded load, prefill, decode and generate over a jax Mesh of 8 CPU devices, against one device.
 
 The runs happen in one subprocess (tests/mesh_worker.py: jax must see 8 host devices from its start,
-this process has one); the tests here check its report. Meshes (expert=4, tensor=2), (tensor=8),
+this process has one), started by conftest when these tests are collected so that it runs beside the
+rest of the suite; the tests here (run last) check its report. Meshes (expert=4, tensor=2), (tensor=8),
 (data=2, expert=4) and one device; a tiny checkpoint with every layer kind, grouped routing and
 latent MoE in bf16, FP8 and NVFP4, loaded in float32: greedy tokens must be identical to one device
 (the sums split over devices differ from one device's by rounding only: logits agree to ~1e-6).
@@ -12,21 +13,23 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import MESH_WORKER
 from mesh_worker import FORMATS, MESHES
-
-WORKER = Path(__file__).with_name("mesh_worker.py")
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("mesh")
-    run = subprocess.run([sys.executable, str(WORKER), str(out)], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
+def report(request) -> dict:
+    """The worker's report; conftest starts the worker at collection, so it has run beside the suite."""
+    proc, out = request.config.stash[MESH_WORKER]
+    try:
+        returncode = proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert returncode == 0, (out / "stderr").read_text()[-4000:]
     return json.loads((out / "report.json").read_text())
 
 
