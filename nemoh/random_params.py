@@ -117,4 +117,4 @@ def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.b
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")
-    return build_params(config, _RandomReader(config, layout, dtype, seed))
+    return build_params(config, _RandomReader(config, layout, dtype, seed)).committed()

@@ -221,7 +221,7 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
     if progress is None:
         progress = _total_bytes(src) >= PROGRESS_MIN_BYTES
     tied = cfg.tie_word_embeddings and not src.has("lm_head.weight")
-    params = build_params(cfg, reader, embed_key, tied, f"loading {path.name}" if progress else None)
+    params = build_params(cfg, reader, embed_key, tied, f"loading {path.name}" if progress else None).committed()
     for name in src.unconsumed():
         if name.startswith(IGNORED_PREFIXES):
             src.mark_used(name)
