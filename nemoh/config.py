@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nemoh.errors import ConfigError
+from nemoh.io.json_file import read_json
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 LAYER_KINDS = (MAMBA, ATTENTION, MLP, MOE)
@@ -178,14 +179,7 @@ class NemotronHConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "NemotronHConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config.json at {path}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json(path, ConfigError))
 
     def validate(self) -> None:
         """Raise ConfigError on any size that the model cannot be built with."""

@@ -66,6 +66,13 @@ class ModelParams:
                           f"hidden {self.config.hidden_size}, vocab {self.config.vocab_size}, {total / 2**20:.1f} MiB)",
                           *rows, f"  lm_head: {head_fmt}"])
 
+    def committed(self) -> "ModelParams":
+        """These params committed to the one device they are on (no copy). load, random_params and an
+        orbax restore all return committed params, so jit compiles one program for the three (an
+        uncommitted array lowers without a sharding, a committed one with it: two programs, and two
+        entries in the persistent compilation cache)."""
+        return jax.device_put(self, next(iter(self.embed.devices())))
+
     def _repr_html_(self) -> str:
         """Notebooks: treescope's interactive view of the whole tree when treescope is installed."""
         try:

@@ -141,7 +141,7 @@ def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.b
     if mesh is None:
         if rules is not None:
             raise RequestError(f"rules={rules!r}: needs a mesh: pass mesh=...")
-        return build_params(config, _RandomReader(config, layout, dtype, seed))
+        return build_params(config, _RandomReader(config, layout, dtype, seed)).committed()
     placement = make_placement(mesh, rules)
     params = build_params(config, _RandomReader(config, layout, dtype, seed, deferred=True))
     return place(params, check_params(params, placement))

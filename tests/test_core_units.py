@@ -71,10 +71,10 @@ def test_config_errors_name_the_culprit(change, match):
 
 
 def test_config_file_errors(tmp_path):
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match="config.json: no such file"):
         NemotronHConfig.from_json_file(tmp_path / "config.json")
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="is not valid JSON"):
+    with pytest.raises(ConfigError, match="config.json: unreadable JSON"):
         NemotronHConfig.from_json_file(tmp_path / "config.json")
 
 
@@ -151,7 +151,7 @@ def test_corrupt_and_missing_files(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         nemoh.load(tmp_path / "nowhere")
     (ck / "config.json").unlink()
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match="config.json: no such file"):
         nemoh.load(ck)
 
 

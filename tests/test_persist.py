@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,9 @@ import nemoh
 from nemoh import oracle
 from nemoh.io.quantize import quantize_checkpoint
 from nemoh.io.tensor_source import TensorSource
+from nemoh.layers.context import TokenContext
+
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-nemotron-h"
 
 TINY = dict(vocab_size=96, hidden_size=64, hybrid_override_pattern="MEM*E-", mamba_num_heads=4, mamba_head_dim=16,
             ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, num_attention_heads=4, num_key_value_heads=2,
@@ -93,3 +97,20 @@ def test_save_hf_quantised_writes_the_loaded_bytes(tiny_checkpoints, tmp_path):
     spec = lambda d: json.loads((d / "hf_quant_config.json").read_text())["quantization"]
     assert spec(out)["quant_algo"] == "MIXED_PRECISION"
     assert spec(out)["quantized_layers"] == spec(qdir)["quantized_layers"]
+
+
+def test_loaded_random_and_restored_params_lower_to_one_program(tmp_path):
+    """jit (and the persistent compilation cache, keyed by the lowered program) sees params from
+    safetensors, from random_params and from an orbax restore alike: all committed to their device."""
+    loaded = nemoh.load(SHIPPED, jnp.float32)
+    nemoh.save(loaded, tmp_path / "saved")
+    restored = nemoh.load(tmp_path / "saved")
+    drawn = nemoh.random_params(loaded.config, "dense", dtype=jnp.float32)
+
+    @jax.jit
+    def hidden(params, tokens):
+        return nemoh.model.run_layers(params, tokens, TokenContext.full(*tokens.shape), None)[0]
+
+    tokens = jnp.ones((1, 8), jnp.int32)
+    programs = {hidden.lower(p, tokens).as_text() for p in (loaded, restored, drawn)}
+    assert len(programs) == 1

@@ -226,7 +226,7 @@ def test_gate_arguments_and_cli_errors(tmp_path):
         run_gate(SHIPPED, [[1, 2]], 0)
     with pytest.raises(RequestError, match="prompt 0: token id 999"):
         run_gate(SHIPPED, [[1, 999]], 3)
-    for args, match in [(["--model", str(tmp_path / "nowhere")], "no config.json"),
+    for args, match in [(["--model", str(tmp_path / "nowhere")], "nowhere/config.json: no such file"),
                         (["--model", str(SHIPPED), "--prompt-lengths", "3,x"], "--prompt-lengths='3,x'")]:
         out = subprocess.run([sys.executable, "-m", "nemoh.gate", *args], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)

@@ -264,7 +264,7 @@ def load(path: str | Path, dtype=None, *, progress: bool | None = None, sharding
         progress = _total_bytes(src) >= PROGRESS_MIN_BYTES
     tied = cfg.tie_word_embeddings and not src.has("lm_head.weight")
     if placement is None:
-        params = build_params(cfg, reader, embed_key, tied, f"loading {path.name}" if progress else None)
+        params = build_params(cfg, reader, embed_key, tied, f"loading {path.name}" if progress else None).committed()
     else:  # the layout is checked (MeshError) before anything is read
         params = build_params(cfg, reader, embed_key, tied)
         params = place(params, check_params(params, placement), f"loading {path.name}" if progress else None)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import json
 import re
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemoh.errors import CheckpointError
+from nemoh.io.json_file import read_json
 from nemoh.io.tensor_source import SAFETENSORS_DTYPES, TensorSource
 from pallas_kernels.formats import NVFP4_BLOCK, FP8Weight, NVFP4Weight, Weight
 
@@ -197,17 +197,6 @@ def _kv_algo_of_scheme(scheme, source: str) -> str | None:
     if isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float":
         return "FP8"
     raise CheckpointError(f"{source}: kv_cache_scheme {scheme!r} is not supported (only 8-bit float)")
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from `path` (CheckpointError naming the file when unreadable or not an object)."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return raw
 
 
 def _scalar(src: TensorSource, name: str, positive: bool = False) -> jnp.ndarray:

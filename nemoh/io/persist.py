@@ -21,6 +21,7 @@ import numpy as np
 
 from nemoh.config import NemotronHConfig
 from nemoh.errors import CheckpointError
+from nemoh.io.json_file import read_json
 from nemoh.model import ModelParams
 
 MANIFEST = "nemoh_params.json"
@@ -144,10 +145,7 @@ def restore(directory: str | Path, *, sharding: Sharding = None, placement=None)
     import orbax.checkpoint as ocp
 
     directory = Path(directory).resolve()
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{directory / MANIFEST}: unreadable ({e})") from None
+    manifest = read_json(directory / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{directory / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     tree = manifest["tree"]

@@ -45,7 +45,8 @@ from safetensors.numpy import save_file
 from nemoh.config import ATTENTION, MAMBA, NemotronHConfig
 from nemoh.errors import CheckpointError
 from nemoh.io.layout import hf_layout
-from nemoh.io.modelopt import CONFIG, DENSE_DTYPES, HF_QUANT_CONFIG, MIXED, matches_any, read_json
+from nemoh.io.json_file import read_json
+from nemoh.io.modelopt import CONFIG, DENSE_DTYPES, HF_QUANT_CONFIG, MIXED, matches_any
 from nemoh.io.tensor_source import INDEX_FILE, SINGLE_FILE, TensorSource
 from pallas_kernels.formats import FP8_MAX as _FP8_MAX
 from pallas_kernels.formats import NVFP4_BLOCK

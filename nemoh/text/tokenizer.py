@@ -9,12 +9,12 @@ and template text are read; the template renders in a sandbox (nemoh.text.chat).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import tokenizers
 
 from nemoh.errors import CheckpointError
+from nemoh.io.json_file import read_json
 from nemoh.text.chat import render_chat
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -97,15 +97,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         backend = tokenizers.Tokenizer.from_file(str(tok_file))
     except Exception as e:  # the Rust reader raises a bare Exception on malformed JSON
         raise CheckpointError(f"{tok_file}: unreadable tokenizer ({e})") from None
-    config: dict = {}
     config_file = directory / TOKENIZER_CONFIG
-    if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{config_file}: not a JSON object")
+    config = read_json(config_file) if config_file.is_file() else {}
     special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
     template, origin = _chat_template(directory, config)
     return Tokenizer(backend, special, template, origin)
