@@ -70,7 +70,10 @@ class ModelParams:
         """These params committed to the one device they are on (no copy). load, random_params and an
         orbax restore all return committed params, so jit compiles one program for the three (an
         uncommitted array lowers without a sharding, a committed one with it: two programs, and two
-        entries in the persistent compilation cache)."""
+        entries in the persistent compilation cache). Under a trace (jax.eval_shape) there is nothing to
+        commit."""
+        if isinstance(self.embed, jax.core.Tracer):
+            return self
         return jax.device_put(self, next(iter(self.embed.devices())))
 
     def _repr_html_(self) -> str:
