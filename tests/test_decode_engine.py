@@ -101,16 +101,18 @@ def test_prefill_decode_logits_equal_forward(params):
     prompts = [np.arange(3, 45, dtype=np.int32) % 250, np.array([9, 4, 7], np.int32)]
     carry = prefill(params, prompts, max_new_tokens=6, sampling=Sampling(), stop_ids=(), seed=0,
                     cache=CacheSpec(page_size=4), prefill_chunk=16)  # 42 tokens: 3 chunks of 16
-    seqs = [list(p) for p in prompts]
+    seqs, steps = [list(p) for p in prompts], []
     for step_i in range(6):
-        logits = np.asarray(carry.logits)
-        toks = np.asarray(carry.tokens)
+        steps.append(np.asarray(carry.logits))
         for b, seq in enumerate(seqs):
-            ref = np.asarray(nemoh.forward(params, np.array(seq))[0, -1])
-            assert np.max(np.abs(logits[b] - ref)) / np.max(np.abs(ref)) < 1e-4, (step_i, b)
-            seq.append(int(toks[b]))
+            seq.append(int(np.asarray(carry.tokens)[b]))
         if step_i < 5:
             carry = decode(params, carry, 1)
+    for b, seq in enumerate(seqs):  # the model is causal: forward's logits at t are those after seq[:t + 1]
+        ref = np.asarray(nemoh.forward(params, np.array(seq[:-1]))[0])
+        for step_i, logits in enumerate(steps):
+            want = ref[len(prompts[b]) - 1 + step_i]
+            assert np.max(np.abs(logits[b] - want)) / np.max(np.abs(want)) < 1e-4, (step_i, b)
 
 
 def test_consumed_carry_fails_loudly(params):

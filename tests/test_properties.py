@@ -87,7 +87,7 @@ def _max_new(kwargs) -> int:
     return int(m) if isinstance(m, (int, np.integer)) and not isinstance(m, bool) else 0
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=50, **SETTINGS)
 @given(data=st.data())
 def test_generate_named_error_or_valid_result(params, data):
     """A valid request with up to two arguments (or the prompts) replaced by edge values."""
