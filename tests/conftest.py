@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -20,11 +21,13 @@ MESH_WORKER = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 
 def start_mesh_worker() -> tuple[subprocess.Popen, Path]:
     """Start tests/mesh_worker.py (jax on 8 host devices, in its own process) writing into a new
-    directory; its output goes to files there, so nothing blocks on a full pipe."""
+    directory; its output goes to files there, so nothing blocks on a full pipe. No persistent
+    compilation cache: the worker counts the programs it compiles."""
     out = Path(tempfile.mkdtemp(prefix="nemoh-mesh-"))
+    env = {**os.environ, "NEMOH_COMPILATION_CACHE": "off"}
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
         proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "mesh_worker.py"), str(out)],
-                                stdout=stdout, stderr=stderr, cwd=ROOT)
+                                stdout=stdout, stderr=stderr, cwd=ROOT, env=env)
     return proc, out
 
 

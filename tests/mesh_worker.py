@@ -25,6 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import nemoh  # noqa: E402
+from compile_events import compiles  # noqa: E402
 from nemoh.engine.decode import decode  # noqa: E402
 from nemoh.engine.prefill import prefill  # noqa: E402
 from nemoh.io.quantize import quantize_checkpoint  # noqa: E402
@@ -107,9 +108,11 @@ def run_format(fmt: str, path: Path, report: dict) -> None:
     for name in MESHES:
         t0 = time.perf_counter()
         params, reads = counted_reads(lambda: nemoh.load(path, jnp.float32, mesh=mesh(name)))
-        tokens = nemoh.generate(params, ps, max_new_tokens=NEW, ignore_eos=True)
-        carry = prefill(params, ps, max_new_tokens=4)
-        after = decode(params, carry, 2)
+        with compiles() as first:
+            tokens = nemoh.generate(params, ps, max_new_tokens=NEW, ignore_eos=True)
+        with compiles() as again:  # the same buckets: nothing new to compile
+            carry = prefill(params, ps, max_new_tokens=4)
+            after = decode(params, carry, 2)
         out["meshes"][name] = {
             "tokens": tokens,
             "expert_reads": {n: c for n, c in reads.items() if ".experts." in n},
@@ -117,6 +120,7 @@ def run_format(fmt: str, path: Path, report: dict) -> None:
             "param_specs": specs(params), "param_shard_shapes": shard_shapes(params),
             "carry_specs": specs(after), "carry_shard_shapes": shard_shapes(after),
             "prefill_carry_specs": specs(carry),
+            "compiled_first": first, "compiled_again": again,
             "seconds": time.perf_counter() - t0,
         }
         if fmt == "NVFP4" and name == "expert4_tensor2":  # the full-sequence forward too (two more programs)

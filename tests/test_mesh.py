@@ -77,6 +77,16 @@ def test_param_and_carry_leaves_are_sharded(report, mesh):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_decode_is_one_compiled_program(report, fmt, mesh):
+    """generate compiles one prefill and one decode program on the mesh (every step reuses it: the carry
+    keeps the layout prefill made); another request in the same buckets compiles neither again."""
+    runs = report["formats"][fmt]["meshes"][mesh]
+    assert runs["compiled_first"].count("jit(_decode)") == 1 and runs["compiled_first"].count("jit(_prefill)") == 1
+    assert not {"jit(_decode)", "jit(_prefill)"} & set(runs["compiled_again"]), runs["compiled_again"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_one_device_mesh_splits_nothing(report, fmt):
     runs = report["formats"][fmt]["meshes"]["one_device"]
     assert all("'" not in spec for spec in runs["param_specs"] + runs["carry_specs"])

@@ -4,7 +4,6 @@ reuse a few compiled programs (counted through jax.monitoring's compile events).
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import jax
@@ -13,10 +12,10 @@ import numpy as np
 import pytest
 
 import nemoh
+from compile_events import compiles
 from nemoh.engine.prefill import prefill
 
 SHIPPED = Path(__file__).parents[1] / "checkpoints" / "tiny-nemotron-h"
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 P = [5, 6, 7, 8]
 RUN = dict(max_new_tokens=16, ignore_eos=True)
 
@@ -24,22 +23,6 @@ RUN = dict(max_new_tokens=16, ignore_eos=True)
 @pytest.fixture(scope="module")
 def params():
     return nemoh.load(SHIPPED, dtype=jnp.float32)
-
-
-@contextlib.contextmanager
-def compiles():
-    """Yields the list of names of the programs XLA compiles inside the block."""
-    names: list[str] = []
-
-    def listen(event: str, seconds: float, **kw):
-        if event == COMPILE_EVENT:
-            names.append(kw.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _sample(params, prompts, **kw):
