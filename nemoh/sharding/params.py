@@ -30,11 +30,19 @@ def _trace_layers(placement: Placement, cfg, dtype, layers: tuple) -> None:
 
 def check_params(params, placement: Placement):
     """The params' shardings by the rules, after the checks (module docstring); MeshError names what
-    does not fit. params: arrays, abstract values or deferred leaves."""
+    does not fit. params: arrays, abstract values or deferred leaves. Checked once per placement and
+    params structure and shapes (every sharded prefill and decode call asks again)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return _checked_shardings(placement, treedef, tuple((tuple(a.shape), jax.numpy.dtype(a.dtype)) for a in leaves))
+
+
+@functools.lru_cache(maxsize=32)
+def _checked_shardings(placement: Placement, treedef, shapes: tuple):
+    params = treedef.unflatten([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes])
     shardings = placement.shardings(params)
     first = {}
     for layer in params.layers:
-        first.setdefault(type(layer), jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layer))
+        first.setdefault(type(layer), layer)
     _trace_layers(placement, params.config, params.dtype, tuple(first.values()))
     return shardings
 
