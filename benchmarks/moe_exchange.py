@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import nemoh  # noqa: E402
 from benchmarks.common import wall_s  # noqa: E402
-from nemoh.layers.moe import _routed, moe_sharded, route  # noqa: E402
+from nemoh.layers.moe import _routed, moe_sharded, own_experts, route  # noqa: E402
 from nemoh.sharding.params import shard_params  # noqa: E402
 from nemoh.sharding.placement import make_placement, tracing  # noqa: E402
 from pallas_kernels import moe_experts  # noqa: E402
@@ -89,13 +89,7 @@ def way_psum(p, x, cfg, placement):
 def way_all_gather(p, x, cfg, placement):
     def local(p, x):
         count = p.experts_up.shape[0]
-        first = jax.lax.axis_index(AXIS) * count
-
-        def own(xr, idx, w, up, down, valid):
-            mine = (idx >= first) & (idx < first + count)
-            return moe_experts(xr, jnp.where(mine, idx - first, 0), w, up, down, valid=mine)
-
-        part = _routed(p, x, cfg, None, own).astype(jnp.float32)
+        part = _routed(p, x, cfg, None, own_experts(jax.lax.axis_index(AXIS) * count, count)).astype(jnp.float32)
         return jnp.sum(jax.lax.all_gather(part, AXIS), axis=0).astype(x.dtype)
 
     return _unchecked(placement, local, p, x)

@@ -257,7 +257,7 @@ def stored_tensors(algo: str, module: str, shape: tuple[int, int]) -> dict[str, 
             "weight_scale_2": ((), "F32")}
 
 
-_FORMATS = {"FP8": FP8Weight, "NVFP4": NVFP4Weight}
+WEIGHT_FORMATS = {"FP8": FP8Weight, "NVFP4": NVFP4Weight}  # weight quant_algo -> the format nemoh holds it in
 
 
 def abstract_linear(spec: QuantSpec | None, module: str, shape: tuple[int, int], dtype,
@@ -269,7 +269,7 @@ def abstract_linear(spec: QuantSpec | None, module: str, shape: tuple[int, int],
     stored = [jax.ShapeDtypeStruct(s, SAFETENSORS_DTYPES[d]) for s, d in stored_tensors(algo, module, shape).values()]
     if activation_quant and spec.activation_algo_for(module):
         stored.append(jax.ShapeDtypeStruct((), jnp.float32))
-    return jax.eval_shape(_FORMATS[algo].from_hf, *stored)
+    return jax.eval_shape(WEIGHT_FORMATS[algo].from_hf, *stored)
 
 
 def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: tuple[int, int], dtype,
@@ -293,7 +293,7 @@ def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: t
     if algo == "NVFP4" and np.isnan(stored["weight_scale"].astype(np.float32)).any():
         name = module + ".weight_scale"
         raise CheckpointError(f"tensor {name} in {src.file_of(name)}: NaN block scale")
-    return _FORMATS[algo].from_hf(*stored.values(), input_scale)
+    return WEIGHT_FORMATS[algo].from_hf(*stored.values(), input_scale)
 
 
 def read_kv_scales(src: TensorSource, module_prefix: str) -> tuple[jnp.ndarray, jnp.ndarray] | None:

@@ -19,12 +19,12 @@ import numpy as np
 from nemoh.errors import CheckpointError
 from nemoh.io.layout import hf_layout
 from nemoh.io.loader import build_params
-from nemoh.io.modelopt import CONFIG, HF_QUANT_CONFIG
+from nemoh.io.modelopt import CONFIG, HF_QUANT_CONFIG, WEIGHT_FORMATS
 from nemoh.io.quantize import DEFAULT_SHARD_BYTES, ShardWriter, new_output_dir, quant_configs, stored_algos
 from nemoh.model import ModelParams
-from pallas_kernels import FP8Weight, NVFP4Weight, is_quantized
+from pallas_kernels import is_quantized
 
-_FORMAT_NAMES = {FP8Weight: "FP8", NVFP4Weight: "NVFP4"}
+_FORMAT_NAMES = {fmt: algo for algo, fmt in WEIGHT_FORMATS.items()}
 
 
 @dataclasses.dataclass(frozen=True)

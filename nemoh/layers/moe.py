@@ -117,6 +117,17 @@ def expert_axes(placement: Placement) -> tuple[tuple[str, ...], tuple[str, ...]]
     return e_up, f_up
 
 
+def own_experts(first, count: int):
+    """moe_experts (same signature) run on the experts [first, first + count) a device holds, its stacks
+    indexed locally: every (token, expert) pair routed elsewhere is left out (no weight reads)."""
+    def run(xr, idx, w, up, down, valid=None):
+        mine = (idx >= first) & (idx < first + count)
+        return moe_experts(xr, jnp.where(mine, idx - first, 0), w, up, down,
+                           valid=mine if valid is None else mine & valid[:, None])
+
+    return run
+
+
 def moe_sharded(p: MoEParams, x: jax.Array, cfg: NemotronHConfig, valid: jax.Array | None,
                 placement: Placement) -> jax.Array:
     """moe_mixer over a mesh, x [T, H] -> [T, H]: experts split over the mesh axes of "experts" (expert
@@ -139,14 +150,8 @@ def moe_sharded(p: MoEParams, x: jax.Array, cfg: NemotronHConfig, valid: jax.Arr
     valid = jnp.ones(x.shape[:1], bool) if valid is None else valid
 
     def local(p, x, valid):
-        count = jax.tree.leaves(p.experts_up)[0].shape[0]
-        first = axis_position(e_axes) * count
-
-        def own_experts(xr, idx, w, up, down, valid):
-            mine = (idx >= first) & (idx < first + count)
-            return moe_experts(xr, jnp.where(mine, idx - first, 0), w, up, down, valid=mine & valid[:, None])
-
-        routed, shared = _routed(p, x, cfg, valid, own_experts), _shared(p, x)
+        count = p.experts_up.shape[0]
+        routed, shared = _routed(p, x, cfg, valid, own_experts(axis_position(e_axes) * count, count)), _shared(p, x)
         if not s_axes:  # the shared expert is whole here: add the routed parts in the latent space
             routed = _latent_out(p, psum32(routed, e_axes + f_axes))
             return routed if shared is None else routed + shared

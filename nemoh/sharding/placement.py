@@ -1,8 +1,8 @@
 """Placement: a device mesh and the rules that lay params and carries out on it, and the calls that
 use them (place a tree, constrain one inside a compiled program, pick the placement of a call).
 
-Programs run with XLA's automatic partitioning (GSPMD) over the placed arrays; the routed experts run
-in shard_map (nemoh.sharding.experts). A Placement is frozen and hashable: it is a static value of
+Programs run with XLA's automatic partitioning (GSPMD) over the placed arrays; each layer kind runs
+its own part in shard_map (nemoh.sharding.local). A Placement is frozen and hashable: it is a static value of
 the compiled programs (a field of TokenContext, PrefillInputs and DecodeCarry), so a program is
 compiled once per mesh and rules.
 """
