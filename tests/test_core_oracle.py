@@ -1,4 +1,4 @@
-"""Issue 2 acceptance: nemoh.load + nemoh.forward against transformers' logits, fp32 and bf16."""
+"""nemoh.load + nemoh.forward against transformers' logits, fp32 and bf16."""
 
 from __future__ import annotations
 
