@@ -114,6 +114,18 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
     request's memory need (CacheCapacityError) before any device work; NaN/Inf logits raise
     NonFiniteError.
     """
+    params, x, static = prefill_program(params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                        stop_ids=stop_ids, seed=seed, cache=cache, prefill_chunk=prefill_chunk,
+                                        mesh=mesh, rules=rules)
+    carry = _prefill(params, x, **static)
+    raise_if_nonfinite(carry)
+    return carry
+
+
+def prefill_program(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Sampling, stop_ids, seed,
+                    cache: CacheSpec, prefill_chunk: int, mesh, rules) -> tuple[ModelParams, PrefillInputs, dict]:
+    """The checked arguments of prefill's compiled program: (params, inputs on the device, static
+    keyword arguments), so `_prefill(*...)` runs it and `_prefill.lower(...)` shows it (benchmarks)."""
     validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
     cfg = params.config
     prompts = validate.prompt_list(prompts, cfg.vocab_size)
@@ -135,6 +147,4 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
         shape = StateShape(lay.rows, lay.num_pages, lay.page_size, jnp.dtype(params.dtype))
         placement.specs(jax.eval_shape(lambda: initial_states(params, shape)), "carry.states")
         x = placement.place(x)
-    carry = _prefill(params, x, chunk=lay.chunk, num_pages=lay.num_pages, page_size=lay.page_size)
-    raise_if_nonfinite(carry)
-    return carry
+    return params, x, dict(chunk=lay.chunk, num_pages=lay.num_pages, page_size=lay.page_size)

@@ -1,0 +1,114 @@
+"""Prefill benchmark at Nemotron-3 Nano dims: prompt tokens per second, compile time, and a profile.
+
+    PYTHONPATH=. python3 benchmarks/prefill.py [--layouts dense,NANO_NVFP4] [--shapes 1x2048,8x512]
+        [--repeats 3] [--profile] [--no-gate] [--out DIR]
+
+Per layout: the token gate and the per-layer check of benchmarks/decode.py, random params at full size
+built on the device, then per shape (prompts x tokens, random prompts): the first prefill call (compile +
+run), then the median of `repeats` calls: prompt tokens per second (real prompt tokens, not padding),
+ms per call, peak device memory. With --profile, one more call is profiled and its kernel time split
+by layer kind (benchmarks/profile.py). Results: prefill.jsonl and prefill-<layouts>.md in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import NANO_DIMS, NANO_PATTERN, nano_config, peak_memory_bytes, wall_s
+from benchmarks.decode import LAYER_CHECK_MAX_ERR, gate, layer_check, log
+from benchmarks.profile import breakdown_table, profile_breakdown
+from nemoh.config import ATTENTION, MAMBA, MLP, MOE
+from nemoh.engine.kv_pages import CacheSpec
+from nemoh.engine.prefill import _prefill, prefill, prefill_program
+from nemoh.engine.sampling import Sampling
+from nemoh.gate import default_prompts
+from nemoh.random_params import random_params
+
+NEW_TOKENS = 16  # the request's decode budget: sizes the KV pool, as a real request would
+
+
+def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> dict:
+    prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [tokens] * rows, seed=rows)]
+    kw = dict(max_new_tokens=NEW_TOKENS, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(),
+              prefill_chunk=256, mesh=None, rules=None)
+    run = lambda: jax.block_until_ready(prefill(params, prompts, **kw).tokens)
+    t0 = time.perf_counter()
+    run()
+    first = time.perf_counter() - t0
+    call_s = statistics.median(wall_s(run, repeats))
+    out = {"rows": rows, "tokens": tokens, "prompt_tokens": rows * tokens, "ms_per_call": 1e3 * call_s,
+           "tok_per_s": rows * tokens / call_s, "first_call_s": first, "compile_s": first - call_s,
+           "peak_device_bytes": peak_memory_bytes()}
+    if profile:
+        p, x, static = prefill_program(params, prompts, **kw)
+        hlo = _prefill.lower(p, x, **static).compile().as_text()
+        out["profile"] = profile_breakdown(run, hlo, 1)
+        out["kernel_launches"] = out["profile"]["kernels"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", default="dense,NANO_NVFP4")
+    ap.add_argument("--shapes", default="1x2048,8x512", help="prompts x tokens, comma separated")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-gate", action="store_true", help="skip the token gate (legs are labelled ungated)")
+    ap.add_argument("--pattern", default=NANO_PATTERN)
+    ap.add_argument("--dims", default=str(NANO_DIMS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "nemoh-bench"))
+    args = ap.parse_args()
+    out_dir, work = Path(args.out), Path(args.workdir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0].device_kind
+    cfg = nano_config(args.pattern, dims=Path(args.dims))
+    counts = {name: cfg.layer_kinds.count(kind)
+              for kind, name in ((MAMBA, "mamba"), (ATTENTION, "attention"), (MOE, "moe"), (MLP, "mlp"))}
+    md = [f"device {device}, jax {jax.__version__}; model {cfg.pattern} ({cfg.num_layers} layers), bf16", ""]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for layout in args.layouts.split(","):
+        gate_line = "ungated" if args.no_gate else gate(layout, work, Path(args.dims))
+        jax.clear_caches()
+        params = random_params(cfg, layout, dtype=jnp.bfloat16)
+        errs = layer_check(params, batch=4, context=128)
+        check = "layer check " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+        check += " PASS" if max(errs.values()) < LAYER_CHECK_MAX_ERR else " FAIL"
+        for rows, tokens in shapes:
+            try:
+                r = time_shape(params, rows, tokens, args.repeats, args.profile)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: report, go on
+                log(f"[{layout}] prefill {rows}x{tokens}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
+                continue
+            r.update(layout=layout, gate=gate_line, layer_check=errs, device=device)
+            with (out_dir / "prefill.jsonl").open("a") as f:
+                f.write(json.dumps(r) + "\n")
+            line = (f"[{layout}] prefill {rows}x{tokens}: {r['tok_per_s']:.0f} tok/s, {r['ms_per_call']:.1f} ms/call, "
+                    f"compile {r['compile_s']:.1f} s, peak {(r['peak_device_bytes'] or 0) / 2**30:.1f} GiB"
+                    f" | {gate_line} | {check}")
+            log(line)
+            md.append(line)
+            if "profile" in r:
+                table = breakdown_table(r["profile"], r["ms_per_call"] / 1e3, {**counts, "lm_head": 1})
+                log(table)
+                md += ["", table, ""] + [f"- {t['scope']}: {t['kernel']}: {t['us_per_step']:.1f} µs, "
+                                         f"{t['launches_per_step']:.0f} launches" for t in r["profile"]["top_kernels"][:15]]
+        del params
+        (out_dir / f"prefill-{args.layouts.replace(',', '-')}.md").write_text("\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
