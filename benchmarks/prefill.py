@@ -3,10 +3,10 @@
     PYTHONPATH=. python3 benchmarks/prefill.py [--layouts dense,NANO_NVFP4] [--shapes 1x2048,8x512]
         [--repeats 3] [--profile] [--no-gate] [--out DIR]
 
-Per layout: the token gate and the per-layer check of benchmarks/decode.py, random params at full size
+Per layout: the token gate and the per-layer check of benchmarks/checks.py, random params at full size
 built on the device, then per shape (prompts x tokens, random prompts): the first prefill call (compile +
 run), then the median of `repeats` calls: prompt tokens per second (real prompt tokens, not padding),
-ms per call, peak device memory. With --profile, one more call is profiled and its kernel time split
+ms per call, peak device memory. The engine's default chunking is used (nemoh.engine.layout.chunk_width). With --profile, one more call is profiled and its kernel time split
 by layer kind (benchmarks/profile.py). Results: prefill.jsonl and prefill-<layouts>.md in --out.
 """
 
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.checks import gate, layer_check_line, log
 from benchmarks.common import NANO_DIMS, NANO_PATTERN, nano_config, peak_memory_bytes, wall_s
-from benchmarks.decode import LAYER_CHECK_MAX_ERR, gate, layer_check, log
 from benchmarks.profile import breakdown_table, profile_breakdown
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE
 from nemoh.engine.kv_pages import CacheSpec
@@ -41,7 +41,7 @@ NEW_TOKENS = 16  # the request's decode budget: sizes the KV pool, as a real req
 def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> dict:
     prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [tokens] * rows, seed=rows)]
     kw = dict(max_new_tokens=NEW_TOKENS, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(),
-              prefill_chunk=256, mesh=None, rules=None)
+              prefill_chunk=None, mesh=None, rules=None)
     run = lambda: jax.block_until_ready(prefill(params, prompts, **kw).tokens)
     t0 = time.perf_counter()
     run()
@@ -56,6 +56,11 @@ def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> d
         out["profile"] = profile_breakdown(run, hlo, 1)
         out["kernel_launches"] = out["profile"]["kernels"]
     return out
+
+
+def prefill_line(layout: str, r: dict, gate_line: str, check: str) -> str:
+    return (f"[{layout}] prefill {r['rows']}x{r['tokens']}: {r['tok_per_s']:.0f} tok/s, {r['ms_per_call']:.1f} ms/call, "
+            f"compile {r['compile_s']:.1f} s, peak {(r['peak_device_bytes'] or 0) / 2**30:.1f} GiB | {gate_line} | {check}")
 
 
 def main() -> int:
@@ -83,9 +88,7 @@ def main() -> int:
         gate_line = "ungated" if args.no_gate else gate(layout, work, Path(args.dims))
         jax.clear_caches()
         params = random_params(cfg, layout, dtype=jnp.bfloat16)
-        errs = layer_check(params, batch=4, context=128)
-        check = "layer check " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
-        check += " PASS" if max(errs.values()) < LAYER_CHECK_MAX_ERR else " FAIL"
+        errs, check = layer_check_line(params)
         for rows, tokens in shapes:
             try:
                 r = time_shape(params, rows, tokens, args.repeats, args.profile)
@@ -95,9 +98,7 @@ def main() -> int:
             r.update(layout=layout, gate=gate_line, layer_check=errs, device=device)
             with (out_dir / "prefill.jsonl").open("a") as f:
                 f.write(json.dumps(r) + "\n")
-            line = (f"[{layout}] prefill {rows}x{tokens}: {r['tok_per_s']:.0f} tok/s, {r['ms_per_call']:.1f} ms/call, "
-                    f"compile {r['compile_s']:.1f} s, peak {(r['peak_device_bytes'] or 0) / 2**30:.1f} GiB"
-                    f" | {gate_line} | {check}")
+            line = prefill_line(layout, r, gate_line, check)
             log(line)
             md.append(line)
             if "profile" in r:

@@ -18,7 +18,7 @@ from nemoh.sharding.placement import to_host
 def generate(params: ModelParams, prompt_ids, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None,
              seed=0, stop_token_ids=None, ignore_eos: bool = False,
              on_token: Callable[[int, int], None] | None = None,
-             cache: CacheSpec = CacheSpec(), prefill_chunk: int = 256, steps_per_call: int = 32, mesh=None,
+             cache: CacheSpec = CacheSpec(), prefill_chunk: int | None = None, steps_per_call: int = 32, mesh=None,
              rules=None) -> list[list[int]]:
     """Generate up to max_new_tokens for each prompt; returns the new tokens per prompt, in order.
 

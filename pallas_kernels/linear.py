@@ -1,8 +1,10 @@
 """linear(x, w): y = x @ W^T for a dense, FP8 or NVFP4 weight, the one projection op.
 
-On the GPU quantised weights, and dense bf16/f16 weights read by few rows (decode), run the Mosaic GPU
-kernel of _wgemm: the weight is streamed once in its stored form and decoded in registers; activations
-are not quantised (W8A16 / W4A16). Larger dense products (prefill) use XLA's dot (cuBLAS).
+On the GPU, weights read by few rows (decode; quantised weights up to QUANT_KERNEL_MAX_ROWS rows, dense
+bf16/f16 ones up to DENSE_KERNEL_MAX_ROWS) run the Mosaic GPU kernel of _wgemm: the weight is streamed
+once in its stored form and decoded in registers; activations are not quantised (W8A16 / W4A16).
+Larger products (prefill) are compute-bound: the weight is dequantised once (the "xla" reference) and
+multiplied by XLA's dot (cuBLAS), which runs at several times the kernel's throughput at that size.
 A quantised weight with an input_scale quantises x first: FP8 runs W8A8 as one XLA dot of float8_e4m3fn
 operands (fp32 accumulation; native FP8 tensor-core GEMMs on Hopper); NVFP4 emulates W4A4: x becomes its
 exact e2m1 x e4m3 codes, which the weight-only kernel reads, and input_scale joins the output scale.
@@ -22,10 +24,13 @@ from pallas_kernels._blocked import MMA_DTYPES, Tiling, block_rows, blocked_line
 from pallas_kernels.formats import FP8Weight, Weight, is_quantized
 
 DENSE_KERNEL_MAX_ROWS = 64  # dense weights go through the kernel when x has at most this many rows
+QUANT_KERNEL_MAX_ROWS = 256  # quantised weights likewise (the kernel reads 2-4x fewer bytes)
 
 
 def _uses_kernel(w: Weight, rows: int) -> bool:
-    return is_quantized(w) or (w.dtype in MMA_DTYPES and rows <= DENSE_KERNEL_MAX_ROWS)
+    if is_quantized(w):
+        return rows <= QUANT_KERNEL_MAX_ROWS
+    return w.dtype in MMA_DTYPES and rows <= DENSE_KERNEL_MAX_ROWS
 
 
 def linear(x, w: Weight, *, impl: str | None = None, tiling: Tiling | None = None):

@@ -107,6 +107,19 @@ LINEAR_CASES = [((13,), 200, 144, jnp.bfloat16), ((13,), 200, 144, jnp.float32),
                 ((2, 3), 72, 48, jnp.bfloat16), ((130,), 72, 48, jnp.float32)]
 
 
+def test_large_quantised_products_dequantise_then_dot():
+    """Past QUANT_KERNEL_MAX_ROWS rows a quantised linear is compute-bound: it runs the dequantise-then-dot
+    reference (bit for bit), not the weight-streaming kernel; at the limit it still runs the kernel."""
+    from pallas_kernels.linear import QUANT_KERNEL_MAX_ROWS
+
+    rng = _rng(3)
+    w = WEIGHTS["nvfp4"](rng, (), 64, 48)
+    x = _x(rng, (QUANT_KERNEL_MAX_ROWS + 1, 48), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(linear(x, w, impl=IMPL)), np.asarray(linear(x, w, impl="xla")))
+    at_limit = x[:QUANT_KERNEL_MAX_ROWS].astype(jnp.float32)
+    assert not np.array_equal(np.asarray(linear(at_limit, w, impl=IMPL)), np.asarray(linear(at_limit, w, impl="xla")))
+
+
 @pytest.mark.parametrize("fmt,lead,n,k,dtype", [(fmt, *case) for fmt in ("nvfp4", "fp8", "dense")
                                                  for case in LINEAR_CASES
                                                  if fmt != "dense" or case[-1] == jnp.bfloat16])  # f32 dense: XLA

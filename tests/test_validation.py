@@ -59,7 +59,7 @@ def params():
     ({"prefill_chunk": 0}, r"prefill_chunk=0: must be an integer in \[1, "),
     ({"prefill_chunk": -4}, r"prefill_chunk=-4"),
     ({"prefill_chunk": 16.0}, r"prefill_chunk=16.0"),
-    ({"prefill_chunk": None}, r"prefill_chunk=None"),
+    ({"prefill_chunk": "wide"}, r"prefill_chunk='wide'"),
     ({"steps_per_call": 0}, r"steps_per_call=0"),
     ({"ignore_eos": 1}, r"ignore_eos=1: must be True or False"),
     ({"on_token": "print"}, r"on_token='print': must be None or a callable"),

@@ -3,8 +3,9 @@ sizes reuse the same compiled programs, and checked against free device memory b
 
 Buckets (powers of two with a minimum): batch slots 1 for a single prompt, else 16, 32, 64, ... (rows
 past the prompts are finished dummy rows, which MoE layers route to no expert); per-row capacity (longest prompt + max_new_tokens) 1024, 2048, ... tokens;
-stop-id slots 8, 16, ...  The prefill chunk width is min(prefill_chunk, row capacity). Sampling
-settings, the number of prompt chunks and the number of decode steps are runtime values.
+stop-id slots 8, 16, ...  The prefill chunk width is min(prefill_chunk, row capacity); by default it
+follows the batch slots (chunk_width), so a chunk holds about CHUNK_TOKENS tokens across the batch.
+Sampling settings, the number of prompt chunks and the number of decode steps are runtime values.
 """
 
 from __future__ import annotations
@@ -21,11 +22,20 @@ MIN_ROWS = 16
 MIN_ROW_TOKENS = 1024
 MAX_ROW_TOKENS = 2**30  # positions stay well inside int32
 MIN_STOP_SLOTS = 8
+CHUNK_TOKENS = 2048  # default prefill chunk, summed over the batch slots
+MIN_CHUNK = 256  # default prefill chunk per row, at least
 
 
 def bucket(n: int, minimum: int) -> int:
     """The smallest power of two >= max(n, minimum) (minimum a power of two)."""
     return max(minimum, 1 << (n - 1).bit_length())
+
+
+def chunk_width(rows: int) -> int:
+    """The default prefill chunk for `rows` batch slots: CHUNK_TOKENS / rows, at least MIN_CHUNK. Each
+    chunk reads every weight once (for MoE, every expert some token picks), so wide chunks amortise the
+    weight reads; 2048 tokens keep a single prompt's chunk activations and attention scores small."""
+    return max(MIN_CHUNK, CHUNK_TOKENS // rows)
 
 
 def row_bucket(n: int) -> int:
@@ -51,15 +61,16 @@ class Layout:
 
 
 def plan(cfg: NemotronHConfig, costs: StateCosts, lengths: list[int], max_new_tokens: int, cache: CacheSpec,
-         prefill_chunk: int, num_stops: int, device, shards: int = 1) -> Layout:
+         prefill_chunk: int | None, num_stops: int, device, shards: int = 1) -> Layout:
     """The layout of a request of prompts of `lengths` for a model whose carried states cost `costs`:
     the bucketed pool when it fits `device`'s free memory, else the exact one; CacheCapacityError (need
-    and free memory) when neither fits. shards: the batch shards of a mesh (batch slots rounded up to a
+    and free memory) when neither fits. prefill_chunk: tokens per row per prefill chunk (None:
+    chunk_width of the batch slots). shards: the batch shards of a mesh (batch slots rounded up to a
     multiple of it)."""
     budgets = [n + max_new_tokens for n in lengths]
     capacity = bucket(max(budgets), MIN_ROW_TOKENS)
     rows = -(-row_bucket(len(lengths)) // shards) * shards
-    chunk = min(prefill_chunk, capacity)
+    chunk = min(prefill_chunk or chunk_width(rows), capacity)
     row_tokens = -(-capacity // chunk) * chunk
     pages_per_row = pages_for(row_tokens, cache.page_size)
     free, source = free_bytes(device)

@@ -102,13 +102,14 @@ def _inputs(prompts: list[np.ndarray], lay: Layout, max_new_tokens: int, stop_id
 
 
 def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
-            stop_ids=(), seed=0, cache: CacheSpec = CacheSpec(), prefill_chunk: int = 256, mesh=None,
+            stop_ids=(), seed=0, cache: CacheSpec = CacheSpec(), prefill_chunk: int | None = None, mesh=None,
             rules=None) -> DecodeCarry:
     """Run the prompts and sample each one's first new token; returns the carry for `decode`.
 
     prompts: as generate takes them. sampling: one Sampling (values per prompt or for all); seed: an
     integer for every prompt or a list of one per prompt (any size, used whole); stop_ids: token ids
-    that end a sequence. mesh, rules: run sharded, the carry laid out by the rules (nemoh.sharding;
+    that end a sequence. prefill_chunk: prompt tokens per row per chunk (None: about 2048 across the
+    batch slots, engine.layout.chunk_width). mesh, rules: run sharded, the carry laid out by the rules (nemoh.sharding;
     params already on a mesh run on it without them); batch slots and KV pages then come in multiples
     of the ways the batch is split. Every argument is checked (RequestError, MeshError) and the
     request's memory need (CacheCapacityError) before any device work; NaN/Inf logits raise
@@ -123,7 +124,7 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
 
 
 def prefill_program(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Sampling, stop_ids, seed,
-                    cache: CacheSpec, prefill_chunk: int, mesh, rules) -> tuple[ModelParams, PrefillInputs, dict]:
+                    cache: CacheSpec, prefill_chunk: int | None, mesh, rules) -> tuple[ModelParams, PrefillInputs, dict]:
     """The checked arguments of prefill's compiled program: (params, inputs on the device, static
     keyword arguments), so `_prefill(*...)` runs it and `_prefill.lower(...)` shows it (benchmarks)."""
     validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
@@ -135,7 +136,8 @@ def prefill_program(params: ModelParams, prompts, *, max_new_tokens: int, sampli
     stop_ids = tuple(dict.fromkeys(validate.token_id_list("stop_ids", stop_ids, cfg.vocab_size)))
     seeds = validate.per_row("seed", seed, len(prompts), validate.seed)
     validate.instance("cache", cache, CacheSpec, "a CacheSpec")
-    prefill_chunk = validate.integer("prefill_chunk", prefill_chunk, 1, MAX_ROW_TOKENS)
+    if prefill_chunk is not None:
+        prefill_chunk = validate.integer("prefill_chunk", prefill_chunk, 1, MAX_ROW_TOKENS)
     params, placement = resolve(params, mesh, rules)
     lay = plan(cfg, state_costs(params, cache.page_size), [len(p) for p in prompts], max_new_tokens, cache,
                prefill_chunk, len(stop_ids), next(iter(params.embed.devices())), batch_shards(placement))

@@ -62,11 +62,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: j
 
     q [b, T, Hq, D]; k, v [b, S, Hkv, D] (key j sits at position j); q_pos [b, T]; kv_len [b]: keys
     at positions >= kv_len are absent. Query t sees keys j <= q_pos[t]. Returns [b, T, Hq, D] in q.dtype.
+    Scores of bf16/f16 q and k multiply in that dtype with fp32 accumulation (each product is exact in
+    fp32, and the tensor cores run it); fp32 inputs multiply at full fp32 precision.
     """
     b, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    qg = q.reshape(b, T, Hkv, Hq // Hkv, D).astype(jnp.float32)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    qg = q.reshape(b, T, Hkv, Hq // Hkv, D)
+    if q.dtype != k.dtype or q.dtype == jnp.float32:
+        qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
     scores = scores * (D ** -0.5)
     key_pos = jnp.arange(k.shape[1])
     visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
