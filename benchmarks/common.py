@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from nemoh.config import ATTENTION, MAMBA, MOE, NemotronHConfig
+from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 from pallas_kernels import is_quantized
 
 NANO_DIMS = Path(__file__).parent / "nano_dims.json"  # Nemotron-3 Nano config.json minus its layer layout
@@ -21,6 +24,26 @@ def nano_config(pattern: str = NANO_PATTERN, dims: Path = NANO_DIMS, **overrides
     """Nemotron-3 Nano 30B-A3B's config (widths from `dims`) with the given layer pattern and overrides."""
     dims = json.loads(Path(dims).read_text())
     return NemotronHConfig.from_dict({**dims, "hybrid_override_pattern": pattern, **overrides})
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The options every Nano-dims benchmark takes: --no-gate, --pattern, --dims, --out, --workdir."""
+    ap.add_argument("--no-gate", action="store_true", help="skip the token gate (legs are labelled ungated)")
+    ap.add_argument("--pattern", default=NANO_PATTERN, help="layer pattern of the timed model (default: Nano's 52)")
+    ap.add_argument("--dims", default=str(NANO_DIMS), help="config.json fields giving the widths (default: Nano's)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "nemoh-bench"))
+
+
+def model_setup(args) -> tuple[Path, Path, NemotronHConfig, dict[str, int]]:
+    """(output dir, work dir, both created; the config; layers per profile scope, lm_head included)."""
+    out_dir, work = Path(args.out), Path(args.workdir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = nano_config(args.pattern, dims=Path(args.dims))
+    counts = {name: cfg.layer_kinds.count(kind)
+              for kind, name in ((MAMBA, "mamba"), (ATTENTION, "attention"), (MOE, "moe"), (MLP, "mlp"))}
+    return out_dir, work, cfg, {**counts, "lm_head": 1}
 
 
 def wall_s(fn, reps: int) -> list[float]:

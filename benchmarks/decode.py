@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,11 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.checks import gate, layer_check_line, log
-from benchmarks.common import (NANO_DIMS, NANO_PATTERN, bytes_per_step, describe_layout, hbm_ceiling_gbs,
-                               nano_config, peak_memory_bytes)
+from benchmarks.common import (add_model_args, bytes_per_step, describe_layout, hbm_ceiling_gbs, model_setup,
+                               peak_memory_bytes)
 from benchmarks.prefill import prefill_line, time_shape
 from benchmarks.profile import breakdown_table, profile_breakdown
-from nemoh.config import ATTENTION, MAMBA, MLP, MOE
 from nemoh.engine.decode import _decode, decode
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import prefill
@@ -104,23 +101,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=4, help="timed decode calls (>= 64 steps in all by default)")
     ap.add_argument("--profile-batches", default="1")
     ap.add_argument("--prefill-shapes", default="", help="prefill legs (prompts x tokens) after the decode legs")
-    ap.add_argument("--no-gate", action="store_true", help="skip the token gate (legs are labelled ungated)")
-    ap.add_argument("--pattern", default=NANO_PATTERN, help="layer pattern of the timed model (default: Nano's 52)")
-    ap.add_argument("--dims", default=str(NANO_DIMS), help="config.json fields giving the widths (default: Nano's)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "nemoh-bench"))
+    add_model_args(ap)
     args = ap.parse_args()
-    out_dir, work = Path(args.out), Path(args.workdir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    out_dir, work, cfg, counts = model_setup(args)
     jsonl = out_dir / "decode.jsonl"
     md_path = out_dir / f"decode-{args.layouts.replace(',', '-')}.md"
     device = jax.devices()[0].device_kind
     ceiling = hbm_ceiling_gbs()
     log(f"device {device} | jax {jax.__version__} | HBM ceiling {ceiling:.0f} GB/s (2 GiB bf16 read+write)")
-    cfg = nano_config(args.pattern, dims=Path(args.dims))
-    counts = {layer_scope_name: cfg.layer_kinds.count(kind)
-              for kind, layer_scope_name in ((MAMBA, "mamba"), (ATTENTION, "attention"), (MOE, "moe"), (MLP, "mlp"))}
     md = [f"device {device}, jax {jax.__version__}, HBM ceiling {ceiling:.0f} GB/s; model {cfg.pattern} "
           f"({cfg.num_layers} layers), bf16, prompt {args.prompt}", ""]
     batches = [int(b) for b in args.batches.split(",")]
@@ -155,7 +143,7 @@ def main() -> int:
             log(line)
             md.append(line)
             if "profile" in r:
-                table = breakdown_table(r["profile"], r["ms_per_step"] / 1e3, {**counts, "lm_head": 1})
+                table = breakdown_table(r["profile"], r["ms_per_step"] / 1e3, counts)
                 log(table)
                 md += ["", f"{layout} batch {b}: {r['profile']['kernels_per_step']:.0f} kernel launches per step", "",
                        table, ""]

@@ -6,18 +6,16 @@
 Per layout: the token gate and the per-layer check of benchmarks/checks.py, random params at full size
 built on the device, then per shape (prompts x tokens, random prompts): the first prefill call (compile +
 run), then the median of `repeats` calls: prompt tokens per second (real prompt tokens, not padding),
-ms per call, peak device memory. The engine's default chunking is used (nemoh.engine.layout.chunk_width). With --profile, one more call is profiled and its kernel time split
-by layer kind (benchmarks/profile.py). Results: prefill.jsonl and prefill-<layouts>.md in --out.
+ms per call, peak device memory. The engine's default chunking is used (nemoh.engine.layout.chunk_width).
+With --profile, one more call is profiled and its kernel time split by layer kind (benchmarks/profile.py). Results: prefill.jsonl and prefill-<layouts>.md in --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.checks import gate, layer_check_line, log
-from benchmarks.common import NANO_DIMS, NANO_PATTERN, nano_config, peak_memory_bytes, wall_s
+from benchmarks.common import add_model_args, model_setup, peak_memory_bytes, wall_s
 from benchmarks.profile import breakdown_table, profile_breakdown
-from nemoh.config import ATTENTION, MAMBA, MLP, MOE
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import _prefill, prefill, prefill_program
 from nemoh.engine.sampling import Sampling
@@ -59,8 +56,9 @@ def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> d
 
 
 def prefill_line(layout: str, r: dict, gate_line: str, check: str) -> str:
-    return (f"[{layout}] prefill {r['rows']}x{r['tokens']}: {r['tok_per_s']:.0f} tok/s, {r['ms_per_call']:.1f} ms/call, "
-            f"compile {r['compile_s']:.1f} s, peak {(r['peak_device_bytes'] or 0) / 2**30:.1f} GiB | {gate_line} | {check}")
+    peak = (r["peak_device_bytes"] or 0) / 2**30
+    return (f"[{layout}] prefill {r['rows']}x{r['tokens']}: {r['tok_per_s']:.0f} tok/s, "
+            f"{r['ms_per_call']:.1f} ms/call, compile {r['compile_s']:.1f} s, peak {peak:.1f} GiB | {gate_line} | {check}")
 
 
 def main() -> int:
@@ -69,19 +67,10 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x2048,8x512", help="prompts x tokens, comma separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--no-gate", action="store_true", help="skip the token gate (legs are labelled ungated)")
-    ap.add_argument("--pattern", default=NANO_PATTERN)
-    ap.add_argument("--dims", default=str(NANO_DIMS))
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "nemoh-bench"))
+    add_model_args(ap)
     args = ap.parse_args()
-    out_dir, work = Path(args.out), Path(args.workdir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    out_dir, work, cfg, counts = model_setup(args)
     device = jax.devices()[0].device_kind
-    cfg = nano_config(args.pattern, dims=Path(args.dims))
-    counts = {name: cfg.layer_kinds.count(kind)
-              for kind, name in ((MAMBA, "mamba"), (ATTENTION, "attention"), (MOE, "moe"), (MLP, "mlp"))}
     md = [f"device {device}, jax {jax.__version__}; model {cfg.pattern} ({cfg.num_layers} layers), bf16", ""]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for layout in args.layouts.split(","):
@@ -102,10 +91,11 @@ def main() -> int:
             log(line)
             md.append(line)
             if "profile" in r:
-                table = breakdown_table(r["profile"], r["ms_per_call"] / 1e3, {**counts, "lm_head": 1})
+                table = breakdown_table(r["profile"], r["ms_per_call"] / 1e3, counts)
                 log(table)
+                top = r["profile"]["top_kernels"][:15]
                 md += ["", table, ""] + [f"- {t['scope']}: {t['kernel']}: {t['us_per_step']:.1f} µs, "
-                                         f"{t['launches_per_step']:.0f} launches" for t in r["profile"]["top_kernels"][:15]]
+                                         f"{t['launches_per_step']:.0f} launches" for t in top]
         del params
         (out_dir / f"prefill-{args.layouts.replace(',', '-')}.md").write_text("\n".join(md) + "\n")
     return 0

@@ -4,7 +4,8 @@ On the GPU, weights read by few rows (decode; quantised weights up to QUANT_KERN
 bf16/f16 ones up to DENSE_KERNEL_MAX_ROWS) run the Mosaic GPU kernel of _wgemm: the weight is streamed
 once in its stored form and decoded in registers; activations are not quantised (W8A16 / W4A16).
 Larger products (prefill) are compute-bound: the weight is dequantised once (the "xla" reference) and
-multiplied by XLA's dot (cuBLAS), which runs at several times the kernel's throughput at that size.
+multiplied by XLA's dot (cuBLAS), which beats the kernel there (on the H200 at 512 rows: 152 against
+201 µs for the whole op).
 A quantised weight with an input_scale quantises x first: FP8 runs W8A8 as one XLA dot of float8_e4m3fn
 operands (fp32 accumulation; native FP8 tensor-core GEMMs on Hopper); NVFP4 emulates W4A4: x becomes its
 exact e2m1 x e4m3 codes, which the weight-only kernel reads, and input_scale joins the output scale.

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import nemoh
 from nemoh.engine.carry import StateCosts
 from nemoh.engine.kv_pages import CacheSpec, block_tables, pool_sizes
-from nemoh.engine.layout import plan
+from nemoh.engine.layout import chunk_width, plan
 from nemoh.errors import CacheCapacityError, MeshError
 from nemoh.sharding import DEFAULT_RULES, Rules
 from nemoh.sharding.rules import tree_specs
@@ -128,3 +128,16 @@ def test_layout_rounds_the_batch_to_the_shards():
     assert (lay.rows, lay.shards, lay.num_pages % 2) == (2, 2, 0)
     assert plan(CFG, costs, [5] * 3, 4, CacheSpec(), 256, 0, device, shards=4).rows == 16
     assert np.array_equal(block_tables([5], 16, 2, 64, 2)[1], np.zeros(64))
+
+
+def test_default_prefill_chunk_follows_the_batch_slots():
+    """On a GPU about 2048 prompt tokens a chunk across the slots (at least 256 a row, at most the row
+    capacity); on a CPU 256; an explicit prefill_chunk wins."""
+    assert [chunk_width(rows, "gpu") for rows in (1, 2, 8, 16, 64)] == [2048, 1024, 256, 256, 256]
+    assert chunk_width(1, "cpu") == 256
+    device, costs = jax.devices()[0], StateCosts(per_row=4096, per_page=1024)
+    lay = lambda lengths, new, prefill_chunk=None: plan(CFG, costs, lengths, new, CacheSpec(), prefill_chunk, 0,
+                                                        device)
+    assert (lay([1500], 600).chunk, lay([1500], 600).row_tokens) == (chunk_width(1, device.platform), 4096)
+    assert lay([5], 4, 64).chunk == 64
+    assert lay([5], 4, 4096).chunk == 1024  # capped by the 1024-token row capacity

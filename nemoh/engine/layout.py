@@ -3,8 +3,8 @@ sizes reuse the same compiled programs, and checked against free device memory b
 
 Buckets (powers of two with a minimum): batch slots 1 for a single prompt, else 16, 32, 64, ... (rows
 past the prompts are finished dummy rows, which MoE layers route to no expert); per-row capacity (longest prompt + max_new_tokens) 1024, 2048, ... tokens;
-stop-id slots 8, 16, ...  The prefill chunk width is min(prefill_chunk, row capacity); by default it
-follows the batch slots (chunk_width), so a chunk holds about CHUNK_TOKENS tokens across the batch.
+stop-id slots 8, 16, ...  The prefill chunk width is min(prefill_chunk, row capacity); by default on a
+GPU it follows the batch slots (chunk_width), so a chunk holds about CHUNK_TOKENS tokens across the batch.
 Sampling settings, the number of prompt chunks and the number of decode steps are runtime values.
 """
 
@@ -31,11 +31,12 @@ def bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-def chunk_width(rows: int) -> int:
-    """The default prefill chunk for `rows` batch slots: CHUNK_TOKENS / rows, at least MIN_CHUNK. Each
-    chunk reads every weight once (for MoE, every expert some token picks), so wide chunks amortise the
-    weight reads; 2048 tokens keep a single prompt's chunk activations and attention scores small."""
-    return max(MIN_CHUNK, CHUNK_TOKENS // rows)
+def chunk_width(rows: int, platform: str) -> int:
+    """The default prefill chunk for `rows` batch slots on a device of `platform`. On a GPU each chunk
+    reads every weight once (for MoE, every expert some token picks), so wide chunks amortise the weight
+    reads: CHUNK_TOKENS / rows, at least MIN_CHUNK (2048 tokens keep a single prompt's activations and
+    attention scores small). Elsewhere (CPU) compute dominates and padding costs: MIN_CHUNK."""
+    return max(MIN_CHUNK, CHUNK_TOKENS // rows) if platform == "gpu" else MIN_CHUNK
 
 
 def row_bucket(n: int) -> int:
@@ -65,12 +66,12 @@ def plan(cfg: NemotronHConfig, costs: StateCosts, lengths: list[int], max_new_to
     """The layout of a request of prompts of `lengths` for a model whose carried states cost `costs`:
     the bucketed pool when it fits `device`'s free memory, else the exact one; CacheCapacityError (need
     and free memory) when neither fits. prefill_chunk: tokens per row per prefill chunk (None:
-    chunk_width of the batch slots). shards: the batch shards of a mesh (batch slots rounded up to a
-    multiple of it)."""
+    chunk_width of the batch slots on `device`). shards: the batch shards of a mesh (batch slots rounded
+    up to a multiple of it)."""
     budgets = [n + max_new_tokens for n in lengths]
     capacity = bucket(max(budgets), MIN_ROW_TOKENS)
     rows = -(-row_bucket(len(lengths)) // shards) * shards
-    chunk = min(prefill_chunk or chunk_width(rows), capacity)
+    chunk = min(prefill_chunk or chunk_width(rows, device.platform), capacity)
     row_tokens = -(-capacity // chunk) * chunk
     pages_per_row = pages_for(row_tokens, cache.page_size)
     free, source = free_bytes(device)

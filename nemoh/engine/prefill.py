@@ -108,12 +108,12 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
 
     prompts: as generate takes them. sampling: one Sampling (values per prompt or for all); seed: an
     integer for every prompt or a list of one per prompt (any size, used whole); stop_ids: token ids
-    that end a sequence. prefill_chunk: prompt tokens per row per chunk (None: about 2048 across the
-    batch slots, engine.layout.chunk_width). mesh, rules: run sharded, the carry laid out by the rules (nemoh.sharding;
-    params already on a mesh run on it without them); batch slots and KV pages then come in multiples
-    of the ways the batch is split. Every argument is checked (RequestError, MeshError) and the
-    request's memory need (CacheCapacityError) before any device work; NaN/Inf logits raise
-    NonFiniteError.
+    that end a sequence. prefill_chunk: prompt tokens per row per chunk (None: on a GPU about 2048
+    across the batch slots, else 256; engine.layout.chunk_width). mesh, rules: run sharded, the carry
+    laid out by the rules (nemoh.sharding; params already on a mesh run on it without them); batch slots
+    and KV pages then come in multiples of the ways the batch is split. Every argument is checked
+    (RequestError, MeshError) and the request's memory need (CacheCapacityError) before any device work;
+    NaN/Inf logits raise NonFiniteError.
     """
     params, x, static = prefill_program(params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                         stop_ids=stop_ids, seed=seed, cache=cache, prefill_chunk=prefill_chunk,
@@ -124,7 +124,8 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
 
 
 def prefill_program(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Sampling, stop_ids, seed,
-                    cache: CacheSpec, prefill_chunk: int | None, mesh, rules) -> tuple[ModelParams, PrefillInputs, dict]:
+                    cache: CacheSpec, prefill_chunk: int | None, mesh, rules
+                    ) -> tuple[ModelParams, PrefillInputs, dict]:
     """The checked arguments of prefill's compiled program: (params, inputs on the device, static
     keyword arguments), so `_prefill(*...)` runs it and `_prefill.lower(...)` shows it (benchmarks)."""
     validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")

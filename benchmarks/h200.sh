@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The H200 measurement plan in parts that each fit one 10-minute device call; each layout runs in its
+# own process (a process's device memory is not handed back to the next), results land in $OUT.
+#
+#   bash benchmarks/h200.sh nvfp4     # NANO_NVFP4: gate, decode batches 1,8,32,64 (profiled at 1 and 32), prefill
+#   bash benchmarks/h200.sh dense     # bf16: gate, decode batches 1,32, prefill of one 2,048-token prompt
+#   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
+#   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
+#
+# The token gate needs transformers and torch: NEMOH_ORACLE_PYTHON, .venv-oracle, or (the GPU image)
+# the interpreter running the benchmark.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-.}
+quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\|\*\*\*\*"; }
+leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tail -60; }
+
+case "${1:-}" in
+  nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,8,32,64 --profile-batches 1,32 \
+           --steps 16 --repeats 4 --prefill-shapes 1x2048,8x512 ;;
+  dense) leg 560 benchmarks/decode.py --layouts dense --batches 1,32 --profile-batches "" --steps 16 --repeats 4 \
+           --prefill-shapes 1x2048 ;;
+  fp8) for layout in NANO_FP8 MIXED; do
+         leg 280 benchmarks/decode.py --layouts "$layout" --batches 1,32 --profile-batches "" --steps 16 --repeats 4
+       done ;;
+  load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
+  *) echo "usage: bash benchmarks/h200.sh nvfp4|dense|fp8|load" >&2; exit 2 ;;
+esac
