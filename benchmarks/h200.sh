@@ -6,6 +6,8 @@
 #   bash benchmarks/h200.sh dense     # bf16: gate, decode batches 1,32, prefill of one 2,048-token prompt
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
+#   bash benchmarks/h200.sh idle      # batch-1 decode of a 13-layer model with the compilation cache on,
+#                                     # off, and on without XLA's autotune cache (GPU idle time hunt)
 #
 # The token gate needs transformers and torch: NEMOH_ORACLE_PYTHON, .venv-oracle, or (the GPU image)
 # the interpreter running the benchmark.
@@ -25,5 +27,14 @@ case "${1:-}" in
          leg 280 benchmarks/decode.py --layouts "$layout" --batches 1,32 --profile-batches "" --steps 16 --repeats 4
        done ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
-  *) echo "usage: bash benchmarks/h200.sh nvfp4|dense|fp8|load" >&2; exit 2 ;;
+  idle) rm -rf /tmp/nemoh-idle-cache-*  # fresh caches: a hit would replay the first leg's executable
+        n=0
+        for setting in NEMOH_COMPILATION_CACHE=/tmp/nemoh-idle-cache-on NEMOH_COMPILATION_CACHE=0 \
+                       "NEMOH_COMPILATION_CACHE=/tmp/nemoh-idle-cache-noxla JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=none"; do
+          n=$((n + 1)); echo "== $setting"
+          env $setting timeout 150 python3 benchmarks/decode.py --layouts NANO_NVFP4 --pattern "MEMEM*EMEMEM*" \
+            --batches 1 --profile-batches 1 --steps 16 --repeats 4 --no-gate --out "$OUT/idle-$n" 2>&1 \
+            | quiet | grep "batch 1:\|sum of kernels"
+        done ;;
+  *) echo "usage: bash benchmarks/h200.sh nvfp4|dense|fp8|load|idle" >&2; exit 2 ;;
 esac
