@@ -42,12 +42,14 @@ def linear(x, w: Weight, *, impl: str | None = None, tiling: Tiling | None = Non
     impl = resolve_impl(impl)
     *lead, k = x.shape
     m = math.prod(lead)
-    if impl == "xla" or not _uses_kernel(w, m):
+    if impl == "xla":
+        return reference.linear(x, w)
+    if isinstance(w, FP8Weight) and w.input_scale is not None:  # a native fp8 GEMM at any size
+        return fp8_w8a8(x, w)
+    if not _uses_kernel(w, m):
         return reference.linear(x, w)
     out_dtype = x.dtype
     if getattr(w, "input_scale", None) is not None:
-        if isinstance(w, FP8Weight):
-            return fp8_w8a8(x, w)
         x, w = w.input_codes(x, w.input_scale), w.fold_input_scale()
     tm = block_rows(m)
     num_blocks = -(-m // tm)

@@ -15,6 +15,7 @@ Tolerances (norm-relative ||y - ref|| / ||ref||, and max |y - ref| / max |ref|):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -109,8 +110,9 @@ LINEAR_CASES = [((13,), 200, 144, jnp.bfloat16), ((13,), 200, 144, jnp.float32),
 
 def test_large_quantised_products_dequantise_then_dot():
     """Past QUANT_KERNEL_MAX_ROWS rows a quantised linear is compute-bound: it runs the dequantise-then-dot
-    reference (bit for bit), not the weight-streaming kernel; at the limit it still runs the kernel."""
-    from pallas_kernels.linear import QUANT_KERNEL_MAX_ROWS
+    reference (bit for bit), not the weight-streaming kernel; at the limit it still runs the kernel. FP8
+    W8A8 runs its fp8 GEMM at any size."""
+    from pallas_kernels.linear import QUANT_KERNEL_MAX_ROWS, fp8_w8a8
 
     rng = _rng(3)
     w = WEIGHTS["nvfp4"](rng, (), 64, 48)
@@ -118,6 +120,8 @@ def test_large_quantised_products_dequantise_then_dot():
     np.testing.assert_array_equal(np.asarray(linear(x, w, impl=IMPL)), np.asarray(linear(x, w, impl="xla")))
     at_limit = x[:QUANT_KERNEL_MAX_ROWS].astype(jnp.float32)
     assert not np.array_equal(np.asarray(linear(at_limit, w, impl=IMPL)), np.asarray(linear(at_limit, w, impl="xla")))
+    w8a8 = dataclasses.replace(WEIGHTS["fp8"](rng, (), 64, 48), input_scale=jnp.float32(0.01))  # native fp8 GEMM
+    np.testing.assert_array_equal(np.asarray(linear(x, w8a8, impl=IMPL)), np.asarray(fp8_w8a8(x, w8a8)))
 
 
 @pytest.mark.parametrize("fmt,lead,n,k,dtype", [(fmt, *case) for fmt in ("nvfp4", "fp8", "dense")
