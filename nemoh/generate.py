@@ -18,19 +18,21 @@ from nemoh.sharding.placement import to_host
 def generate(params: ModelParams, prompt_ids, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None,
              seed=0, stop_token_ids=None, ignore_eos: bool = False,
              on_token: Callable[[int, int], None] | None = None,
-             cache: CacheSpec = CacheSpec(), prefill_chunk: int | None = None, steps_per_call: int = 32, mesh=None,
-             rules=None) -> list[list[int]]:
+             cache: CacheSpec = CacheSpec(), prefill_chunk: int | None = None, steps_per_call: int = 32,
+             mesh=None, rules=None) -> list[list[int]]:
     """Generate up to max_new_tokens for each prompt; returns the new tokens per prompt, in order.
 
     temperature, top_k, top_p and seed take one value for every prompt or a list of one per prompt
     (see Sampling); temperature 0 is greedy. A prompt's sampled tokens depend only on the params, the
     prompt, its settings and its seed (any integer, used whole), not on the other prompts. A sequence
     ends after the config's eos token (unless ignore_eos) or one of stop_token_ids; the stop token is
-    included. steps_per_call decode steps run on the device per host call; on_token(prompt_index,
-    token) is called for each new token as they arrive. mesh, rules: run sharded over a jax Mesh by
-    the rules (nemoh.sharding; default DEFAULT_RULES), params and carry alike; params already placed on
-    a mesh (nemoh.load(..., mesh=...)) run on it without them. Every argument is checked before any
-    device work (RequestError, CacheCapacityError, MeshError); NaN/Inf logits raise NonFiniteError.
+    included. prefill_chunk: prompt tokens per row per prefill chunk (None: the engine's default, about
+    2048 across the batch slots on a GPU, 256 on a CPU). steps_per_call decode steps run on the device
+    per host call; on_token(prompt_index, token) is called for each new token as they arrive. mesh,
+    rules: run sharded over a jax Mesh by the rules (nemoh.sharding; default DEFAULT_RULES), params and
+    carry alike; params already placed on a mesh (nemoh.load(..., mesh=...)) run on it without them.
+    Every argument is checked before any device work (RequestError, CacheCapacityError, MeshError);
+    NaN/Inf logits raise NonFiniteError.
     """
     validate.instance("params", params, ModelParams, "ModelParams (from nemoh.load)")
     cfg = params.config
