@@ -2,7 +2,8 @@
 # The H200 measurement plan in parts that each fit one 10-minute device call; each layout runs in its
 # own process (a process's device memory is not handed back to the next), results land in $OUT.
 #
-#   bash benchmarks/h200.sh nvfp4     # NANO_NVFP4: gate, decode batches 1,8,32,64 (profiled at 1 and 32), prefill
+#   bash benchmarks/h200.sh nvfp4     # NANO_NVFP4: gate, decode batches 1,32 (profiled), prefill 1x2048 and 8x512
+#   bash benchmarks/h200.sh nvfp4-more  # NANO_NVFP4: gate, decode batches 8,64
 #   bash benchmarks/h200.sh dense     # bf16: gate, decode batches 1,32, prefill of one 2,048-token prompt
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
@@ -19,8 +20,9 @@ quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\
 leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tail -60; }
 
 case "${1:-}" in
-  nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,8,32,64 --profile-batches 1,32 \
+  nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
            --steps 16 --repeats 4 --prefill-shapes 1x2048,8x512 ;;
+  nvfp4-more) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 8,64 --profile-batches "" --steps 16 --repeats 4 ;;
   dense) leg 560 benchmarks/decode.py --layouts dense --batches 1,32 --profile-batches "" --steps 16 --repeats 4 \
            --prefill-shapes 1x2048 ;;
   fp8) for layout in NANO_FP8 MIXED; do
@@ -36,5 +38,5 @@ case "${1:-}" in
             --batches 1 --profile-batches 1 --steps 16 --repeats 4 --no-gate --out "$OUT/idle-$n" 2>&1 \
             | quiet | grep "batch 1:\|sum of kernels"
         done ;;
-  *) echo "usage: bash benchmarks/h200.sh nvfp4|dense|fp8|load|idle" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh nvfp4|nvfp4-more|dense|fp8|load|idle" >&2; exit 2 ;;
 esac
