@@ -1,7 +1,9 @@
 """JAX's persistent compilation cache, on by default for nemoh's programs.
 
 A second process (a restarted notebook, the CLI) then loads compiled decode and prefill programs from
-disk instead of compiling them again. Location: $NEMOH_COMPILATION_CACHE if set to a path, else
+disk instead of compiling them again, and the small programs of loading a checkpoint too (JAX's default
+skips programs that compile in under a second; a load runs dozens of them, each a fresh ptxas run on a
+GPU). Location: $NEMOH_COMPILATION_CACHE if set to a path, else
 $XDG_CACHE_HOME/nemoh/jax-compilation (~/.cache/... without XDG_CACHE_HOME). NEMOH_COMPILATION_CACHE=0
 (or "off") turns it off; a cache directory the user already gave JAX is left as it is.
 """
@@ -31,6 +33,7 @@ def set_compilation_cache(path: str | Path | None) -> Path | None:
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 

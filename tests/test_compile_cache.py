@@ -12,16 +12,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "checkpoints" / "tiny-nemotron-h"
 
-# Generates from the tiny checkpoint and prints how many compilations the persistent cache served.
+# Generates from the tiny checkpoint and prints how many compilations went to the persistent cache and
+# how many it served.
 PROGRAM = f"""
 import json, jax
-hits = []
+hits, requests = [], []
 jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if e.endswith("cache_hits") else None)
+jax.monitoring.register_event_listener(lambda e, **k: requests.append(e) if e.endswith("requests_use_cache") else None)
 import nemoh, sys
 if sys.argv[1] == "generate":
     nemoh.generate(nemoh.load({str(TINY)!r}), [[1, 2, 3]], max_new_tokens=3)
 print(json.dumps({{"dir": jax.config.jax_compilation_cache_dir,
-                   "enabled": jax.config.jax_enable_compilation_cache, "hits": len(hits)}}))
+                   "enabled": jax.config.jax_enable_compilation_cache, "hits": len(hits),
+                   "requests": len(requests)}}))
 """
 
 
@@ -40,7 +43,8 @@ def test_second_process_hits_the_cache(tmp_path):
     assert first["enabled"] and first["dir"] == str(tmp_path / "cache") and first["hits"] == 0
     assert any((tmp_path / "cache").iterdir())  # programs were written
     second = _run(str(tmp_path / "cache"))
-    assert second["hits"] >= 2  # at least prefill and decode came from disk
+    # every program came from disk: prefill and decode, and the loader's small conversions too
+    assert second["hits"] >= 2 and second["hits"] == second["requests"], second
 
 
 def test_cache_can_be_turned_off(tmp_path):
