@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -94,6 +95,20 @@ def gate(layout: str, workdir: Path, dims: Path) -> str:
     stable = compare(run(perturbed(params32)), ours32)
     return (f"gate {GATE_PATTERN}, {GATE_EXPERTS} experts, vocab {GATE_VOCAB}: fp32 {compare(ours32, ref).line()}; "
             f"x1.001 margin check {stable.matched}/{stable.total}{' stable' if stable.strict else ' UNSTABLE'}")
+
+
+def gate_line(layout: str, workdir: Path, dims: Path, skip: bool) -> str:
+    """The gate's line for `layout`: "ungated" when skipped, "GATE FAILED (...)" naming the error when
+    the gate could not run (the legs are still timed and carry that line)."""
+    if skip:
+        return "ungated"
+    t0 = time.perf_counter()
+    try:
+        line = gate(layout, workdir, dims)
+    except Exception as exc:  # noqa: BLE001 - a failed gate is reported on the leg's line
+        line = f"GATE FAILED ({type(exc).__name__}: {str(exc)[:300]})"
+    log(f"[{layout}] {line} ({time.perf_counter() - t0:.0f} s)")
+    return line
 
 
 def _random_state(kind, cfg, batch, context, key, dtype):

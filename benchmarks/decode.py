@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.checks import gate, layer_check_line, log
+from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import (add_model_args, bytes_per_step, describe_layout, hbm_ceiling_gbs, model_setup,
                                peak_memory_bytes)
-from benchmarks.prefill import prefill_line, time_shape
+from benchmarks.prefill import parse_shapes, prefill_legs
 from benchmarks.profile import breakdown_table, profile_breakdown
 from nemoh.engine.decode import _decode, decode
 from nemoh.engine.kv_pages import CacheSpec
@@ -113,15 +113,9 @@ def main() -> int:
           f"({cfg.num_layers} layers), bf16, prompt {args.prompt}", ""]
     batches = [int(b) for b in args.batches.split(",")]
     profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
+    prefill_shapes = parse_shapes(args.prefill_shapes)
     for layout in args.layouts.split(","):
-        gate_line = "ungated"
-        if not args.no_gate:
-            t0 = time.perf_counter()
-            try:
-                gate_line = gate(layout, work, Path(args.dims))
-            except Exception as exc:  # noqa: BLE001 - a failed gate is reported on the leg's line
-                gate_line = f"GATE FAILED ({type(exc).__name__}: {str(exc)[:300]})"
-            log(f"[{layout}] {gate_line} ({time.perf_counter() - t0:.0f} s)")
+        gate_text = gate_line(layout, work, Path(args.dims), args.no_gate)
         jax.clear_caches()
         params = random_params(cfg, layout, dtype=jnp.bfloat16)
         errs, check = layer_check_line(params, args.prompt)
@@ -132,14 +126,14 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory at a large batch: report, go on
                 log(f"[{layout}] batch {b}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
                 continue
-            r.update(layout=layout, gate=gate_line, layer_check=errs, device=device, hbm_ceiling_gbs=ceiling)
+            r.update(layout=layout, gate=gate_text, layer_check=errs, device=device, hbm_ceiling_gbs=ceiling)
             with jsonl.open("a") as f:
                 f.write(json.dumps(r) + "\n")
             line = (f"[{layout}] batch {b}: {r['ms_per_step']:.3f} ms/step, {r['ms_per_token']:.3f} ms/token, "
                     f"{r['tok_per_s']:.0f} tok/s, {100 * r['hbm_fraction']:.0f}% of HBM ceiling, "
                     f"decode compile {r['decode_compile_s']:.1f} s, prefill compile {r['prefill_compile_s']:.1f} s, "
                     f"TTFT {r['ttft_s']:.3f} s, peak {r['peak_device_bytes'] / 2**30 if r['peak_device_bytes'] else 0:.1f} GiB"
-                    f" | {gate_line} | {check}")
+                    f" | {gate_text} | {check}")
             log(line)
             md.append(line)
             if "profile" in r:
@@ -150,18 +144,8 @@ def main() -> int:
                 top = r["profile"]["top_kernels"][:12]
                 md += [f"- {t['scope']}: {t['kernel']}: {t['us_per_step']:.1f} µs/step, "
                        f"{t['launches_per_step']:.0f}/step" for t in top] + [""]
-        for shape in filter(None, args.prefill_shapes.split(",")):
-            rows, tokens = (int(v) for v in shape.split("x"))
-            try:
-                r = time_shape(params, rows, tokens, repeats=3, profile=False)
-            except Exception as exc:  # noqa: BLE001
-                log(f"[{layout}] prefill {shape}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
-                continue
-            r.update(layout=layout, gate=gate_line, layer_check=errs, device=device)
-            with (out_dir / "prefill.jsonl").open("a") as f:
-                f.write(json.dumps(r) + "\n")
-            md.append(prefill_line(layout, r, gate_line, check))
-            log(md[-1])
+        md += prefill_legs(params, layout, prefill_shapes, 3, False, out_dir, counts,
+                           dict(gate=gate_text, layer_check=errs, device=device), check)
         del params
         md_path.write_text("\n".join(md) + "\n")
     return 0

@@ -7,7 +7,8 @@ Per layout: the token gate and the per-layer check of benchmarks/checks.py, rand
 built on the device, then per shape (prompts x tokens, random prompts): the first prefill call (compile +
 run), then the median of `repeats` calls: prompt tokens per second (real prompt tokens, not padding),
 ms per call, peak device memory. The engine's default chunking is used (nemoh.engine.layout.chunk_width).
-With --profile, one more call is profiled and its kernel time split by layer kind (benchmarks/profile.py). Results: prefill.jsonl and prefill-<layouts>.md in --out.
+With --profile, one more call is profiled and its kernel time split by layer kind (benchmarks/profile.py).
+Results: prefill.jsonl and prefill-<layouts>.md in --out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.checks import gate, layer_check_line, log
+from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import add_model_args, model_setup, peak_memory_bytes, wall_s
 from benchmarks.profile import breakdown_table, profile_breakdown
 from nemoh.engine.kv_pages import CacheSpec
@@ -55,10 +56,41 @@ def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> d
     return out
 
 
-def prefill_line(layout: str, r: dict, gate_line: str, check: str) -> str:
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """ "1x2048,8x512" -> [(1, 2048), (8, 512)] (prompts x tokens); "" -> []."""
+    return [tuple(int(v) for v in shape.split("x")) for shape in filter(None, text.split(","))]
+
+
+def prefill_line(layout: str, r: dict, gate_text: str, check: str) -> str:
     peak = (r["peak_device_bytes"] or 0) / 2**30
-    return (f"[{layout}] prefill {r['rows']}x{r['tokens']}: {r['tok_per_s']:.0f} tok/s, "
-            f"{r['ms_per_call']:.1f} ms/call, compile {r['compile_s']:.1f} s, peak {peak:.1f} GiB | {gate_line} | {check}")
+    rate = f"{r['tok_per_s']:.0f} tok/s, {r['ms_per_call']:.1f} ms/call, compile {r['compile_s']:.1f} s"
+    return f"[{layout}] prefill {r['rows']}x{r['tokens']}: {rate}, peak {peak:.1f} GiB | {gate_text} | {check}"
+
+
+def prefill_legs(params, layout: str, shapes, repeats: int, profile: bool, out_dir: Path, counts: dict,
+                 labels: dict, check: str) -> list[str]:
+    """Time each (prompts, tokens) shape on `params`: append each record (with `labels`: gate,
+    layer_check, device) to prefill.jsonl in out_dir, log its line; returns the lines (and profile
+    tables) for the markdown summary. A shape that fails (e.g. out of memory) is reported and skipped."""
+    md = []
+    for rows, tokens in shapes:
+        try:
+            r = time_shape(params, rows, tokens, repeats, profile)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: report, go on
+            log(f"[{layout}] prefill {rows}x{tokens}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
+            continue
+        r.update(layout=layout, **labels)
+        with (out_dir / "prefill.jsonl").open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        md.append(prefill_line(layout, r, labels["gate"], check))
+        log(md[-1])
+        if "profile" in r:
+            table = breakdown_table(r["profile"], r["ms_per_call"] / 1e3, counts)
+            log(table)
+            top = r["profile"]["top_kernels"][:15]
+            md += ["", table, ""] + [f"- {t['scope']}: {t['kernel']}: {t['us_per_step']:.1f} µs, "
+                                     f"{t['launches_per_step']:.0f} launches" for t in top]
+    return md
 
 
 def main() -> int:
@@ -72,30 +104,14 @@ def main() -> int:
     out_dir, work, cfg, counts = model_setup(args)
     device = jax.devices()[0].device_kind
     md = [f"device {device}, jax {jax.__version__}; model {cfg.pattern} ({cfg.num_layers} layers), bf16", ""]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = parse_shapes(args.shapes)
     for layout in args.layouts.split(","):
-        gate_line = "ungated" if args.no_gate else gate(layout, work, Path(args.dims))
+        gate_text = gate_line(layout, work, Path(args.dims), args.no_gate)
         jax.clear_caches()
         params = random_params(cfg, layout, dtype=jnp.bfloat16)
         errs, check = layer_check_line(params)
-        for rows, tokens in shapes:
-            try:
-                r = time_shape(params, rows, tokens, args.repeats, args.profile)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: report, go on
-                log(f"[{layout}] prefill {rows}x{tokens}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
-                continue
-            r.update(layout=layout, gate=gate_line, layer_check=errs, device=device)
-            with (out_dir / "prefill.jsonl").open("a") as f:
-                f.write(json.dumps(r) + "\n")
-            line = prefill_line(layout, r, gate_line, check)
-            log(line)
-            md.append(line)
-            if "profile" in r:
-                table = breakdown_table(r["profile"], r["ms_per_call"] / 1e3, counts)
-                log(table)
-                top = r["profile"]["top_kernels"][:15]
-                md += ["", table, ""] + [f"- {t['scope']}: {t['kernel']}: {t['us_per_step']:.1f} µs, "
-                                         f"{t['launches_per_step']:.0f} launches" for t in top]
+        md += prefill_legs(params, layout, shapes, args.repeats, args.profile, out_dir, counts,
+                           dict(gate=gate_text, layer_check=errs, device=device), check)
         del params
         (out_dir / f"prefill-{args.layouts.replace(',', '-')}.md").write_text("\n".join(md) + "\n")
     return 0

@@ -2,9 +2,9 @@
 use them (place a tree, constrain one inside a compiled program, pick the placement of a call).
 
 Programs run with XLA's automatic partitioning (GSPMD) over the placed arrays; each layer kind runs
-its own part in shard_map (nemoh.sharding.local). A Placement is frozen and hashable: it is a static value of
-the compiled programs (a field of TokenContext, PrefillInputs and DecodeCarry), so a program is
-compiled once per mesh and rules.
+its own part in shard_map (nemoh.sharding.local). A Placement is frozen and hashable: it is a static
+value of the compiled programs (a field of TokenContext, PrefillInputs and DecodeCarry), so a program
+is compiled once per mesh and rules.
 """
 
 from __future__ import annotations
