@@ -89,6 +89,7 @@ def profile_breakdown(run, hlo_text: str, steps: int) -> dict:
         span_us = (max(ends) - min(starts)) / 1e3
     total_us = sum(per_scope_us.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:30]
+    gaps = idle_gaps(events, steps)
     return {
         "steps": steps,
         "kernels": len(events),
@@ -102,6 +103,33 @@ def profile_breakdown(run, hlo_text: str, steps: int) -> dict:
         "top_kernels": [{"scope": s, "kernel": n, "us_per_step": v[0] / steps, "launches_per_step": v[1] / steps}
                         for (s, n), v in top],
         "lines_seen": sorted({e[4] for e in events})[:10],
+        "idle": gaps,
+    }
+
+
+def idle_gaps(events: list, steps: int, top: int = 12) -> dict:
+    """Where a stream sat idle between consecutive kernels, per step: total µs in gaps by size
+    (under 5 µs: back-to-back launches; 5-50 µs: the host launching op by op; over 50 µs: a stall),
+    and the kernels that most often had to wait (gap before them, µs per step)."""
+    by_stream = collections.defaultdict(list)
+    for name, dur, start, _, stream in events:
+        by_stream[stream].append((start, start + dur, name))
+    bands = {"under_5us": [0.0, 0], "5_to_50us": [0.0, 0], "over_50us": [0.0, 0]}
+    waited = collections.Counter()
+    for evs in by_stream.values():
+        evs.sort()
+        for (_, end, _), (start, _, name) in zip(evs, evs[1:]):
+            gap = (start - end) / 1e3
+            if gap <= 0:
+                continue
+            band = bands["under_5us" if gap < 5 else "5_to_50us" if gap < 50 else "over_50us"]
+            band[0] += gap
+            band[1] += 1
+            waited[name[:90]] += gap
+    return {
+        "us_per_step": {k: v[0] / steps for k, v in bands.items()},
+        "gaps_per_step": {k: v[1] / steps for k, v in bands.items()},
+        "waited_before": [{"kernel": n, "us_per_step": us / steps} for n, us in waited.most_common(top)],
     }
 
 
