@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import statistics
@@ -44,6 +46,28 @@ def model_setup(args) -> tuple[Path, Path, NemotronHConfig, dict[str, int]]:
     counts = {name: cfg.layer_kinds.count(kind)
               for kind, name in ((MAMBA, "mamba"), (ATTENTION, "attention"), (MOE, "moe"), (MLP, "mlp"))}
     return out_dir, work, cfg, {**counts, "lm_head": 1}
+
+
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+@contextlib.contextmanager
+def compile_seconds():
+    """Yields a Counter: seconds of tracing, lowering and XLA compiling per program name
+    ("_prefill", "_decode", ...) inside the block, whichever thread compiled (the decode program
+    compiles on a worker thread beside prefill)."""
+    seconds = collections.Counter()
+
+    def listen(event: str, duration: float, fun_name: str = "?", **_):
+        if event in COMPILE_EVENTS:
+            seconds[fun_name.removeprefix("jit(").removesuffix(")")] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seconds
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def wall_s(fn, reps: int) -> list[float]:

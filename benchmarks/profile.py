@@ -146,5 +146,8 @@ def breakdown_table(b: dict, step_ms: float, layer_counts: dict[str, int]) -> st
     gaps = b["profiled_wall_us_per_step"] - b["kernel_us_per_step"]
     rows.append(f"| (sum of kernels) | | {b['kernel_us_per_step']:.0f} | | {b['kernels_per_step']:.0f} | |")
     rows.append(f"| (profiled wall - kernels: gaps, op-by-op) | | {gaps:.0f} | | | |")
+    idle = b["idle"]["us_per_step"]
+    rows.append(f"| (idle between kernels: under 5 µs / 5-50 µs / over 50 µs gaps) | | {idle['under_5us']:.0f} / "
+                f"{idle['5_to_50us']:.0f} / {idle['over_50us']:.0f} | | | |")
     rows.append(f"| (unprofiled step, for comparison) | | {1e3 * step_ms:.0f} | | | |")
     return "\n".join(rows)

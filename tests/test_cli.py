@@ -17,6 +17,7 @@ import nemoh
 import nemoh.text.generate as text_generate
 from nemoh.cli import _Formatter, build_parser, main
 from nemoh.cli.info import module_group, summarise
+from nemoh.cli.timing import GenerationClock
 from nemoh.io.quantize import quantize_checkpoint
 from nemoh.io.tensor_source import TensorSource
 
@@ -85,6 +86,16 @@ def test_generate_streams_text_and_reports(demo_checkpoint, demo, capsys, monkey
     assert lines[1].startswith("prefill: first tokens after") and "(compile " in lines[1]
     assert lines[2].startswith("decode: 39 tokens in") and "steady state" in lines[2] and "tokens/s" in lines[2]
     assert lines[3].startswith("total: 40 new tokens in") and "of it compiling" in lines[3]
+
+
+def test_clock_counts_compiling_that_overlaps_decode_once():
+    """The decode program compiles beside prefill: only the part of it after the first token slows
+    decode, and overlapping compiles count once in the total."""
+    clock = GenerationClock(start=0.0, first_token=10.0, end=20.0, tokens=11, compile_prefill=8.0,
+                            compile_decode=12.0, compiling=[(0.0, 8.0), (2.0, 14.0), (12.0, 13.0)])
+    prefill, decode, total = clock.report(batch=1)
+    assert decode == "decode: 10 tokens in 10.00 s (compile 12.00 s); steady state 1.7 tokens/s"  # 10 / (10 - 4)
+    assert total == "total: 11 new tokens in 20.00 s, 14.00 s of it compiling"
 
 
 def test_generate_batch_and_chat(demo_checkpoint, demo, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -113,6 +114,26 @@ def test_prefill_decode_logits_equal_forward(params):
         for step_i, logits in enumerate(steps):
             want = ref[len(prompts[b]) - 1 + step_i]
             assert np.max(np.abs(logits[b] - want)) / np.max(np.abs(want)) < 1e-4, (step_i, b)
+
+
+def test_decode_program_compiles_beside_prefill(params):
+    """A new carry shape's decode program is lowered (and compiled) once, on the worker thread, while
+    prefill runs; the decode calls reuse it. A one-token request compiles no decode program."""
+    lowered = []
+
+    def listen(event: str, seconds: float, fun_name: str = "", **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and fun_name == "jit(_decode)":
+            lowered.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:  # pool sizes no other test uses: programs not compiled before in this process
+        out = nemoh.generate(params, [[1, 2, 3]], max_new_tokens=5, ignore_eos=True, cache=CacheSpec(num_pages=13),
+                             steps_per_call=2)
+        nemoh.generate(params, [[1, 2, 3]], max_new_tokens=1, cache=CacheSpec(num_pages=11))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(out[0]) == 5
+    assert len(lowered) == 1 and lowered[0].startswith("nemoh-decode-compile"), lowered
 
 
 def test_consumed_carry_fails_loudly(params):

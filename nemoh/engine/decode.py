@@ -4,10 +4,15 @@ The sampled token is written into the carry on the device and is the next step's
 no host round trip per token. `decode(params, carry, num_steps)` runs up to num_steps steps inside
 one jax.lax.while_loop (stopping early once every slot is finished) per host call; num_steps and the
 sampling settings are runtime values, so any of them reuses the same compiled program.
+
+A new carry shape's decode program is compiled on a worker thread while prefill compiles and runs
+(`compile_ahead`, started by prefill), so a first call waits for the longer of the two compiles, not
+their sum; `decode` waits for that compile instead of starting the same one again.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 
 import jax
@@ -74,6 +79,28 @@ def _decode(params: ModelParams, carry: DecodeCarry, num_steps: jax.Array) -> De
         return jax.lax.while_loop(cond, body, (jnp.int32(0), carry))[1]
 
 
+_AHEAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemoh-decode-compile")
+_compiling: list[Future] = []
+
+
+def compile_ahead(params: ModelParams, carry_shape: DecodeCarry) -> None:
+    """Compile the decode program for carries shaped like `carry_shape` (ShapeDtypeStruct leaves with
+    their shardings) on a worker thread; XLA releases the GIL while it compiles. The executable lands
+    in _decode's own cache (the later call reuses it; an already compiled shape costs milliseconds).
+    A failure is left for the real call to raise."""
+    _compiling.append(_AHEAD.submit(lambda: _decode.lower(params, carry_shape, np.int32(1)).compile()))
+
+
+def finish_compiling() -> None:
+    """Wait for the decode programs compiling ahead (decode does; benchmarks too, before timing)."""
+    while True:
+        try:
+            pending = _compiling.pop()
+        except IndexError:  # none left (another thread may have taken the last)
+            return
+        wait([pending])
+
+
 def decode(params: ModelParams, carry: DecodeCarry, num_steps: int = 1) -> DecodeCarry:
     """Run up to num_steps decode steps on the device; returns the new carry and consumes the old one
     (passing it again raises StaleCarryError). NaN/Inf logits raise NonFiniteError after the call.
@@ -85,6 +112,7 @@ def decode(params: ModelParams, carry: DecodeCarry, num_steps: int = 1) -> Decod
     check_matches(params, carry)
     if carry.placement is not None:
         params, _ = resolve(params, carry.placement.mesh, carry.placement.rules)
+    finish_compiling()  # one compile of a program, not two racing ones
     new = _decode(params, carry, np.int32(num_steps))
     consume(carry)
     raise_if_nonfinite(new)

@@ -17,6 +17,7 @@ import numpy as np
 
 from nemoh import validate
 from nemoh.engine.carry import DecodeCarry, initial_states, raise_if_nonfinite, state_costs
+from nemoh.engine.decode import compile_ahead
 from nemoh.engine.kv_pages import CacheSpec, block_tables
 from nemoh.engine.layout import MAX_ROW_TOKENS, Layout, plan
 from nemoh.engine.sampling import Sampling, SamplingState, sample, sampling_state
@@ -113,14 +114,38 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
     laid out by the rules (nemoh.sharding; params already on a mesh run on it without them); batch slots
     and KV pages then come in multiples of the ways the batch is split. Every argument is checked
     (RequestError, MeshError) and the request's memory need (CacheCapacityError) before any device work;
-    NaN/Inf logits raise NonFiniteError.
+    NaN/Inf logits raise NonFiniteError. When tokens remain to decode, the decode program for this
+    carry starts compiling beside prefill (single device; engine.decode.compile_ahead).
     """
     params, x, static = prefill_program(params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                         stop_ids=stop_ids, seed=seed, cache=cache, prefill_chunk=prefill_chunk,
                                         mesh=mesh, rules=rules)
+    if x.placement is None and max_new_tokens > 1:
+        _compile_decode_ahead(params, x, static)
     carry = _prefill(params, x, **static)
     raise_if_nonfinite(carry)
     return carry
+
+
+_AHEAD_STARTED: set = set()  # (params and inputs: structure, leaf shapes and dtypes; static args; device)
+
+
+def _compile_decode_ahead(params: ModelParams, x: PrefillInputs, static: dict) -> None:
+    """Start compiling the decode program for the carry this prefill will return, once per shape (a
+    repeat costs ~1 ms of key building). Prefill is traced and lowered first, here (the call reuses
+    that lowering): the worker's Python work then overlaps prefill's XLA compile, which holds no GIL,
+    rather than prefill's own tracing."""
+    device = next(iter(params.embed.devices()))
+    leaves, tree = jax.tree.flatten((params, x))
+    key = (tree, tuple((a.shape, a.dtype) for a in leaves), tuple(sorted(static.items())), device)
+    if key in _AHEAD_STARTED:
+        return
+    if len(_AHEAD_STARTED) > 64:
+        _AHEAD_STARTED.clear()
+    _AHEAD_STARTED.add(key)
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    shape = _prefill.lower(params, x, **static).out_info
+    compile_ahead(params, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on_device), shape))
 
 
 def prefill_program(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Sampling, stop_ids, seed,
