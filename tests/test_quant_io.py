@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -604,10 +605,14 @@ def test_activation_scales_read_only_with_activation_quant(tmp_path):
 
 
 def test_experts_in_two_formats_are_refused(tmp_path):
+    """On one device (experts stacked as read) and on a mesh (experts read per block when placed)."""
     qdir, _ = quantized(tmp_path, "NVFP4", exclude=["lm_head", "*.1.mixer.experts.2.*"])
-    with pytest.raises(CheckpointError, match=rf"{PREFIX}\.1\.mixer\.experts\.2\.up_proj: stored as ArrayImpl but "
-                                              r".*experts\.0\.up_proj as NVFP4Weight"):
-        nemoh.load(qdir, dtype=jnp.float32)
+    one_device = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("expert", "tensor"))
+    for mesh in (None, one_device):
+        with pytest.raises(CheckpointError, match=rf"{PREFIX}\.1\.mixer\.experts\.2\.up_proj: stored as ArrayImpl "
+                                                  r"\(input_scale used: False\) but .*experts\.0\.up_proj as "
+                                                  r"NVFP4Weight \(input_scale used: False\)"):
+            nemoh.load(qdir, dtype=jnp.float32, mesh=mesh)
 
 
 def test_calibrated_quantiser_writes_input_scales_and_shares_qkv_global_scale(tmp_path):

@@ -67,6 +67,16 @@ class Whole(Source):
         return [jax.device_put(made[d.index].reshape(d.shape), s) for d, s in zip(leaves, shardings)]
 
 
+def check_one_format(name: str, value, first_name: str, first) -> None:
+    """CheckpointError unless expert `name`'s value is stored like `first` (expert `first_name`'s, or the
+    stack's abstract value): one format, with or without an input_scale, since a layer's experts stack
+    into one array per leaf."""
+    if jax.tree.structure(value) != jax.tree.structure(first):
+        describe = lambda v: f"{type(v).__name__} (input_scale used: {getattr(v, 'input_scale', None) is not None})"
+        raise CheckpointError(f"module {name}: stored as {describe(value)} but {first_name} as {describe(first)}; "
+                              "nemoh stacks a layer's experts in one format")
+
+
 class Stacked(Source):
     """make(j) -> expert j's value (abstract: the stack's); name(j) names expert j in errors."""
 
@@ -79,9 +89,7 @@ class Stacked(Source):
         experts = []
         for j in range(start, stop):
             one = self.make(j)
-            if jax.tree.structure(one) != self.treedef:
-                raise CheckpointError(f"module {self.name(j)}: stored as {jax.tree.structure(one)}, but its stack as "
-                                      f"{self.treedef}; one stack of experts takes one format")
+            check_one_format(self.name(j), one, self.name(0), self.abstract)
             experts.append([np.asarray(a) for a in jax.tree.leaves(one)])
         return [np.stack(leaf) for leaf in zip(*experts)]
 

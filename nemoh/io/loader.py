@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from nemoh import validate
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 from nemoh.errors import CheckpointError
-from nemoh.io.deferred import Stacked, Whole, place
+from nemoh.io.deferred import Stacked, Whole, check_one_format, place
 from nemoh.io.modelopt import QuantSpec, abstract_linear, read_kv_scales, read_linear
 from nemoh.io.persist import is_saved_params, restore
 from nemoh.io.tensor_source import TensorSource
@@ -86,12 +86,8 @@ class _Reader:
     def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
         """One [E, out, in] weight (of any type) from E per-expert modules, all in one format."""
         weights = [self.linear(m, out_dim, in_dim) for m in modules]
-        kinds = [(type(w).__name__, getattr(w, "input_scale", None) is not None) for w in weights]
-        odd = next((m for m, k in zip(modules, kinds) if k != kinds[0]), None)
-        if odd is not None:
-            raise CheckpointError(f"module {odd}: stored as {kinds[modules.index(odd)][0]} but {modules[0]} as "
-                                  f"{kinds[0][0]} (input_scale used: {kinds[0][1]}); nemoh stacks a layer's "
-                                  f"experts in one format")
+        for m, w in zip(modules, weights):
+            check_one_format(m, w, modules[0], weights[0])
         return jax.tree.map(lambda *leaves: jnp.stack(leaves), *weights)
 
 
