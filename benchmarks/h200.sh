@@ -7,8 +7,8 @@
 #   bash benchmarks/h200.sh dense     # bf16: gate, decode batches 1,32, prefill of one 2,048-token prompt
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
-#   bash benchmarks/h200.sh idle      # batch-1 decode of a 13-layer model with the compilation cache on,
-#                                     # off, and on without XLA's autotune cache (GPU idle time hunt)
+#   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
+#                                     # 13-layer batch-1 decode, this tree and one extracted to _old
 #
 # The token gate needs transformers and torch: NEMOH_ORACLE_PYTHON, .venv-oracle, or (the GPU image)
 # the interpreter running the benchmark.
@@ -29,14 +29,18 @@ case "${1:-}" in
          leg 280 benchmarks/decode.py --layouts "$layout" --batches 1,32 --profile-batches "" --steps 16 --repeats 4
        done ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
-  idle) rm -rf /tmp/nemoh-idle-cache-*  # fresh caches: a hit would replay the first leg's executable
-        n=0
-        for setting in NEMOH_COMPILATION_CACHE=/tmp/nemoh-idle-cache-on NEMOH_COMPILATION_CACHE=0 \
-                       "NEMOH_COMPILATION_CACHE=/tmp/nemoh-idle-cache-noxla JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=none"; do
-          n=$((n + 1)); echo "== $setting"
-          env $setting timeout 150 python3 benchmarks/decode.py --layouts NANO_NVFP4 --pattern "MEMEM*EMEMEM*" \
-            --batches 1 --profile-batches 1 --steps 16 --repeats 4 --no-gate --out "$OUT/idle-$n" 2>&1 \
-            | quiet | grep "batch 1:\|sum of kernels"
+  idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
+        # program, this tree and (when present) an older one extracted to _old, e.g. a8f5353 with
+        # `git archive a8f5353 | tar -x -C _old` (copy this benchmarks/profile.py over its own)
+        for tree in . _old; do
+          [ -d "$tree/nemoh" ] || continue
+          name=$(basename "$(cd "$tree" && pwd)"); dump=/tmp/nemoh-thunks-$name; rm -rf "$dump"; echo "== $tree"
+          (cd "$tree" && env PYTHONPATH=. NEMOH_COMPILATION_CACHE=0 \
+             XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_decode.*" \
+             timeout 200 python3 benchmarks/decode.py --layouts NANO_NVFP4 --pattern "MEMEM*EMEMEM*" --batches 1 \
+               --profile-batches 1 --steps 16 --repeats 4 --no-gate --out "$OUT/idle-$name" 2>&1 \
+             | quiet | grep "batch 1:\|sum of kernels\|idle between")
+          (cd "$dump" && tar czf "$OUT/thunks-$name.tgz" $(ls | grep "_decode.*\(thunk_sequence\|after_optimizations.txt\)"))
         done ;;
   *) echo "usage: bash benchmarks/h200.sh nvfp4|nvfp4-more|dense|fp8|load|idle" >&2; exit 2 ;;
 esac
