@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from nemoh.cli.timing import COMPILE_EVENTS
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 from pallas_kernels import is_quantized
 
@@ -46,10 +47,6 @@ def model_setup(args) -> tuple[Path, Path, NemotronHConfig, dict[str, int]]:
     counts = {name: cfg.layer_kinds.count(kind)
               for kind, name in ((MAMBA, "mamba"), (ATTENTION, "attention"), (MOE, "moe"), (MLP, "mlp"))}
     return out_dir, work, cfg, {**counts, "lm_head": 1}
-
-
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
 
 
 @contextlib.contextmanager
