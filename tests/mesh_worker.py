@@ -121,6 +121,7 @@ def run_format(fmt: str, path: Path, report: dict) -> None:
             "carry_specs": specs(after), "carry_shard_shapes": shard_shapes(after),
             "prefill_carry_specs": specs(carry),
             "compiled_first": first, "compiled_again": again,
+            "decode_compiled_on": [t for n, t in zip(first, first.threads) if n == "jit(_decode)"],
             "seconds": time.perf_counter() - t0,
         }
         if fmt == "NVFP4" and name == "expert4_tensor2":  # the full-sequence forward too (two more programs)

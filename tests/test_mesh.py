@@ -80,9 +80,11 @@ def test_param_and_carry_leaves_are_sharded(report, mesh):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_decode_is_one_compiled_program(report, fmt, mesh):
     """generate compiles one prefill and one decode program on the mesh (every step reuses it: the carry
-    keeps the layout prefill made); another request in the same buckets compiles neither again."""
+    keeps the layout prefill made; it compiles beside prefill, on the worker thread); another request in the
+    same buckets compiles neither again."""
     runs = report["formats"][fmt]["meshes"][mesh]
     assert runs["compiled_first"].count("jit(_decode)") == 1 and runs["compiled_first"].count("jit(_prefill)") == 1
+    assert runs["decode_compiled_on"][0].startswith("nemoh-decode-compile"), runs["decode_compiled_on"]
     assert not {"jit(_decode)", "jit(_prefill)"} & set(runs["compiled_again"]), runs["compiled_again"]
 
 

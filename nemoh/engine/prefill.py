@@ -115,12 +115,12 @@ def prefill(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Samp
     and KV pages then come in multiples of the ways the batch is split. Every argument is checked
     (RequestError, MeshError) and the request's memory need (CacheCapacityError) before any device work;
     NaN/Inf logits raise NonFiniteError. When tokens remain to decode, the decode program for this
-    carry starts compiling beside prefill (single device; engine.decode.compile_ahead).
+    carry starts compiling beside prefill (engine.decode.compile_ahead).
     """
     params, x, static = prefill_program(params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                         stop_ids=stop_ids, seed=seed, cache=cache, prefill_chunk=prefill_chunk,
                                         mesh=mesh, rules=rules)
-    if x.placement is None and max_new_tokens > 1:
+    if max_new_tokens > 1:
         _compile_decode_ahead(params, x, static)
     carry = _prefill(params, x, **static)
     raise_if_nonfinite(carry)
@@ -143,9 +143,13 @@ def _compile_decode_ahead(params: ModelParams, x: PrefillInputs, static: dict) -
     if len(_AHEAD_STARTED) > 64:
         _AHEAD_STARTED.clear()
     _AHEAD_STARTED.add(key)
-    on_device = jax.sharding.SingleDeviceSharding(device)
     shape = _prefill.lower(params, x, **static).out_info
-    compile_ahead(params, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on_device), shape))
+    if x.placement is None:
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shape)
+    else:  # the layout prefill pins its carry to
+        shardings = x.placement.shardings(shape)
+    compile_ahead(params, jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
+                                       shape, shardings))
 
 
 def prefill_program(params: ModelParams, prompts, *, max_new_tokens: int, sampling: Sampling, stop_ids, seed,
