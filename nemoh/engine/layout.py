@@ -5,7 +5,8 @@ Buckets (powers of two with a minimum): batch slots 1 for a single prompt, else 
 past the prompts are finished dummy rows, which MoE layers route to no expert); per-row capacity
 (longest prompt + max_new_tokens) 1024, 2048, ... tokens; stop-id slots 8, 16, ...  The prefill chunk
 width is min(prefill_chunk, row capacity); by default on a GPU it follows the batch slots (chunk_width),
-so a chunk holds about CHUNK_TOKENS tokens across the batch. Sampling settings, the number of prompt chunks and the number of decode steps are runtime values.
+so a chunk holds about CHUNK_TOKENS tokens across the batch. Sampling settings, the number of prompt
+chunks and the number of decode steps are runtime values.
 """
 
 from __future__ import annotations
