@@ -1,5 +1,6 @@
 """compiles(): the names of the programs XLA compiles inside a block, from jax.monitoring's compile
-events (a persistent-cache hit is not a compile)."""
+events (a persistent-cache hit is not a compile), or of those lowered (LOWER_EVENT: every new program,
+whether or not the persistent cache then serves it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import jax
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
 
 class CompiledNames(list):
@@ -20,12 +22,13 @@ class CompiledNames(list):
 
 
 @contextlib.contextmanager
-def compiles():
-    """Yields the CompiledNames ("jit(_decode)", ...) of the programs compiled inside the block."""
+def compiles(which: str = COMPILE_EVENT):
+    """Yields the CompiledNames ("jit(_decode)", ...) of the programs compiled (or with LOWER_EVENT,
+    lowered) inside the block."""
     names = CompiledNames()
 
     def listen(event: str, seconds: float, **kw):
-        if event == COMPILE_EVENT:
+        if event == which:
             names.append(kw.get("fun_name", "?"))
             names.threads.append(threading.current_thread().name)
 

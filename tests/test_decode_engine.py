@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import jax
@@ -15,6 +14,7 @@ import pytest
 
 import nemoh
 import nemoh.engine.decode as decode_mod
+from compile_events import LOWER_EVENT, compiles
 from nemoh import oracle
 from nemoh.engine.decode import decode
 from nemoh.engine.kv_pages import CacheSpec
@@ -119,21 +119,13 @@ def test_prefill_decode_logits_equal_forward(params):
 def test_decode_program_compiles_beside_prefill(params):
     """A new carry shape's decode program is lowered (and compiled) once, on the worker thread, while
     prefill runs; the decode calls reuse it. A one-token request compiles no decode program."""
-    lowered = []
-
-    def listen(event: str, seconds: float, fun_name: str = "", **_):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and fun_name == "jit(_decode)":
-            lowered.append(threading.current_thread().name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:  # pool sizes no other test uses: programs not compiled before in this process
+    with compiles(LOWER_EVENT) as lowered:  # pool sizes no other test uses: programs new to this process
         out = nemoh.generate(params, [[1, 2, 3]], max_new_tokens=5, ignore_eos=True, cache=CacheSpec(num_pages=13),
                              steps_per_call=2)
         nemoh.generate(params, [[1, 2, 3]], max_new_tokens=1, cache=CacheSpec(num_pages=11))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert len(out[0]) == 5
-    assert len(lowered) == 1 and lowered[0].startswith("nemoh-decode-compile"), lowered
+    decode_threads = [t for n, t in zip(lowered, lowered.threads) if n == "jit(_decode)"]
+    assert len(decode_threads) == 1 and decode_threads[0].startswith("nemoh-decode-compile"), decode_threads
 
 
 def test_consumed_carry_fails_loudly(params):
