@@ -203,6 +203,7 @@ def test_decode_num_steps_is_checked(params, num_steps):
 def test_carry_from_other_params_is_refused(params):
     carry = prefill(params, [[5, 6, 7]], max_new_tokens=4)
     bf16 = nemoh.load(SHIPPED, dtype=jnp.bfloat16)
+    decode(bf16, prefill(bf16, [[5, 6, 7]], max_new_tokens=4), 1)  # a matching carry passes, and is remembered
     with pytest.raises(RequestError, match=r"carry does not match params: layer 0 state is MambaState\(float32.*"
                                            r"but these params \(bfloat16\) need MambaState\(bfloat16"):
         decode(bf16, carry, 1)
