@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurement plan in parts that each fit one 10-minute device call; each layout runs in its
 # own process (a process's device memory is not handed back to the next), results land in $OUT.
+# Decode legs time 32-step decode calls (two after a warm-up call: 64 steps), as the baseline figures did:
+# each call has a fixed host cost of a few ms at 52 layers, which 16-step calls spread over fewer steps.
 #
 #   bash benchmarks/h200.sh nvfp4     # NANO_NVFP4: gate, decode batches 1,32 (profiled), prefill 1x2048 and 8x512
 #   bash benchmarks/h200.sh nvfp4-more  # NANO_NVFP4: gate, decode batches 8,64
@@ -21,12 +23,12 @@ leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 |
 
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
-           --steps 16 --repeats 4 --prefill-shapes 1x2048,8x512 ;;
-  nvfp4-more) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 8,64 --profile-batches "" --steps 16 --repeats 4 ;;
-  dense) leg 560 benchmarks/decode.py --layouts dense --batches 1,32 --profile-batches "" --steps 16 --repeats 4 \
+           --steps 32 --repeats 2 --prefill-shapes 1x2048,8x512 ;;
+  nvfp4-more) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 8,64 --profile-batches "" --steps 32 --repeats 2 ;;
+  dense) leg 560 benchmarks/decode.py --layouts dense --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \
            --prefill-shapes 1x2048 ;;
   fp8) for layout in NANO_FP8 MIXED; do
-         leg 280 benchmarks/decode.py --layouts "$layout" --batches 1,32 --profile-batches "" --steps 16 --repeats 4
+         leg 280 benchmarks/decode.py --layouts "$layout" --batches 1,32 --profile-batches "" --steps 32 --repeats 2
        done ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
@@ -38,7 +40,7 @@ case "${1:-}" in
           (cd "$tree" && env PYTHONPATH=. NEMOH_COMPILATION_CACHE=0 \
              XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_decode.*" \
              timeout 200 python3 benchmarks/decode.py --layouts NANO_NVFP4 --pattern "MEMEM*EMEMEM*" --batches 1 \
-               --profile-batches 1 --steps 16 --repeats 4 --no-gate --out "$OUT/idle-$name" 2>&1 \
+               --profile-batches 1 --steps 32 --repeats 2 --no-gate --out "$OUT/idle-$name" 2>&1 \
              | quiet | grep "batch 1:\|sum of kernels\|idle between")
           (cd "$dump" && tar czf "$OUT/thunks-$name.tgz" $(ls | grep "_decode.*\(thunk_sequence\|after_optimizations.txt\)"))
         done ;;
