@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from nemoh.errors import CheckpointError
+from pallas_kernels import is_quantized
 
 
 class Deferred:
@@ -72,7 +73,8 @@ def check_one_format(name: str, value, first_name: str, first) -> None:
     stack's abstract value): one format, with or without an input_scale, since a layer's experts stack
     into one array per leaf."""
     if jax.tree.structure(value) != jax.tree.structure(first):
-        describe = lambda v: f"{type(v).__name__} (input_scale used: {getattr(v, 'input_scale', None) is not None})"
+        describe = lambda v: (f"{type(v).__name__} (input_scale used: {v.input_scale is not None})" if is_quantized(v)
+                              else "a dense array")
         raise CheckpointError(f"module {name}: stored as {describe(value)} but {first_name} as {describe(first)}; "
                               "nemoh stacks a layer's experts in one format")
 

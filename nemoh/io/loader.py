@@ -14,12 +14,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nemoh import validate
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 from nemoh.errors import CheckpointError
 from nemoh.io.deferred import Stacked, Whole, check_one_format, place
-from nemoh.io.modelopt import QuantSpec, abstract_linear, read_kv_scales, read_linear
+from nemoh.io.modelopt import QuantSpec, abstract_linear, read_kv_scales, read_linear, read_stored_linear
 from nemoh.io.persist import is_saved_params, restore
 from nemoh.io.tensor_source import TensorSource
 from nemoh.layers.attention import AttentionParams
@@ -42,6 +43,12 @@ def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(x))
 
 
+@jax.jit
+def _finite_rows(x: jax.Array) -> jax.Array:
+    """x [n, ...] -> [n] bool: whether each x[i] is all finite."""
+    return jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1)
+
+
 class _Reader:
     """Reads the tensors of one checkpoint in the param dtype, with the quantisation spec applied, and
     keeps a device-side "all finite" flag per float tensor (as converted) for `check_finite`.
@@ -51,10 +58,10 @@ class _Reader:
 
     def __init__(self, src: TensorSource, spec: QuantSpec | None, dtype, activation_quant: bool = False):
         self.src, self.spec, self.dtype, self.activation_quant = src, spec, dtype, activation_quant
-        self.finite: list[tuple[str, jax.Array]] = []
+        self.finite: list[tuple[tuple[str, ...], jax.Array]] = []  # (names, one flag each)
 
     def _track(self, name: str, x: jax.Array) -> None:
-        self.finite.append((name, _all_finite(x)))
+        self.finite.append(((name,), _all_finite(x)))
 
     def has(self, name: str) -> bool:
         return self.src.has(name)
@@ -78,17 +85,34 @@ class _Reader:
     def check_finite(self) -> None:
         """CheckpointError naming the first tensor (and its file) that holds NaN or Inf."""
         flags = jax.device_get([flag for _, flag in self.finite])
-        bad = next((name for (name, _), ok in zip(self.finite, flags) if not ok), None)
+        names = [name for (group, _), ok in zip(self.finite, flags) for name, fine in zip(group, np.atleast_1d(ok))
+                 if not fine]
+        bad = names[0] if names else None
         if bad is not None:
             raise CheckpointError(f"tensor {bad} in {self.src.file_of(bad)}: holds NaN or Inf values "
                                   f"(as loaded in {self.dtype})")
 
     def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
-        """One [E, out, in] weight (of any type) from E per-expert modules, all in one format."""
-        weights = [self.linear(m, out_dim, in_dim) for m in modules]
-        for m, w in zip(modules, weights):
-            check_one_format(m, w, modules[0], weights[0])
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *weights)
+        """One [E, out, in] weight (of any type) from E per-expert modules, all in one format. The experts
+        are read and checked on the host into one stack per stored tensor, which is converted and moved
+        to the device once: one transfer and one conversion per layer, not per expert."""
+        shape = (out_dim, in_dim)
+        read = lambda m: read_stored_linear(self.src, m, self.spec, shape, self.activation_quant)
+        first = read(modules[0])
+        tree = jax.tree.structure(first)
+        stacks = [np.empty((len(modules), *np.shape(a)), np.asarray(a).dtype) for a in jax.tree.leaves(first)]
+        for j, m in enumerate(modules):
+            one = first if j == 0 else read(m)
+            if jax.tree.structure(one) != tree:
+                abstract = lambda name: abstract_linear(self.spec, name, shape, self.dtype, self.activation_quant)
+                check_one_format(m, abstract(m), modules[0], abstract(modules[0]))
+            for stack, a in zip(stacks, jax.tree.leaves(one)):
+                stack[j] = a
+        w = jax.tree.unflatten(tree, stacks).to_weight(self.dtype)
+        if isinstance(w, (jax.Array, FP8Weight)):  # NVFP4 codes cannot be NaN; its scales are checked on read
+            self.finite.append((tuple(m + ".weight" for m in modules),
+                                _finite_rows(w.data if isinstance(w, FP8Weight) else w)))
+        return w
 
 
 def _on_host(make):

@@ -84,6 +84,12 @@ class QuantSpec:
     def _layer_algos(self) -> dict[str, str]:
         return dict(self.quantized_layers)
 
+    @functools.cached_property
+    def _exclude_re(self) -> re.Pattern:
+        """The exclude patterns as one regular expression (fnmatchcase semantics): one match per scope,
+        not one per pattern, across the thousands of modules a load looks up."""
+        return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in self.exclude) or "(?!)")
+
     def stored_algo_for(self, module: str) -> str | None:
         """The quant_algo that covers one module ("NVFP4", "W4A16_NVFP4", "FP8"), None when it is dense.
         Under MIXED_PRECISION the nearest quantized_layers entry at or above the module decides; otherwise
@@ -91,7 +97,7 @@ class QuantSpec:
         scopes = module_and_parents(module)
         if self.quant_algo == MIXED:
             return next((self._layer_algos[m] for m in scopes if m in self._layer_algos), None)
-        if self.quant_algo is None or any(matches_any(m, self.exclude) for m in scopes):
+        if self.quant_algo is None or any(self._exclude_re.match(m) for m in scopes):
             return None
         return self.quant_algo
 
@@ -199,16 +205,16 @@ def _kv_algo_of_scheme(scheme, source: str) -> str | None:
     raise CheckpointError(f"{source}: kv_cache_scheme {scheme!r} is not supported (only 8-bit float)")
 
 
-def _scalar(src: TensorSource, name: str, positive: bool = False) -> jnp.ndarray:
-    """A float32 0-d scale tensor, checked finite and >= 0 (> 0 when `positive`)."""
+def _scalar(src: TensorSource, name: str, positive: bool = False) -> np.ndarray:
+    """A float32 0-d scale tensor (host), checked finite and >= 0 (> 0 when `positive`)."""
     value = src.get(name, shape=(), dtypes=("F32",))
     if not (np.isfinite(value) and (value > 0 if positive else value >= 0)):
         raise CheckpointError(f"tensor {name} in {src.file_of(name)}: scale {float(value)} is not finite and "
                               f"{'> 0' if positive else '>= 0'}")
-    return jnp.asarray(value, jnp.float32)
+    return np.asarray(value, np.float32)
 
 
-def _input_scale(src: TensorSource, module: str, spec: QuantSpec, activation_quant: bool) -> jnp.ndarray | None:
+def _input_scale(src: TensorSource, module: str, spec: QuantSpec, activation_quant: bool) -> np.ndarray | None:
     """The activation scale a quantised module runs with: its ".input_scale" when `activation_quant` and the
     config quantises the module's activations (a missing one is a CheckpointError), else None (weight-only;
     a stored input_scale is accepted and left unused)."""
@@ -225,15 +231,15 @@ def _input_scale(src: TensorSource, module: str, spec: QuantSpec, activation_qua
     return _scalar(src, name, positive=True)
 
 
-def _read_dense(src: TensorSource, module: str, spec: QuantSpec | None, shape, dtype) -> jnp.ndarray:
-    """A module the config leaves dense: [out, in] F32/BF16/F16 -> jnp `dtype`; quantised tensors are refused."""
+def _read_dense(src: TensorSource, module: str, spec: QuantSpec | None, shape) -> np.ndarray:
+    """A module the config leaves dense: [out, in] F32/BF16/F16 (host); quantised tensors are refused."""
     name, scale = module + ".weight", module + ".weight_scale"
     culprit = name if src.dtype_of(name) in _QUANTISED_DTYPES else scale if src.has(scale) else None
     if culprit:
         said = f"{spec.source} does not quantise {module}" if spec else "there is no quantisation config"
         raise CheckpointError(f"tensor {culprit} in {src.file_of(culprit)}: quantised tensor where the config "
                               f"says excluded ({said})")
-    return jnp.asarray(src.get(name, shape=shape, dtypes=DENSE_DTYPES), dtype)
+    return src.get(name, shape=shape, dtypes=DENSE_DTYPES)
 
 
 def _refuse_dense(src: TensorSource, module: str, algo: str, spec: QuantSpec) -> None:
@@ -272,6 +278,44 @@ def abstract_linear(spec: QuantSpec | None, module: str, shape: tuple[int, int],
     return jax.eval_shape(WEIGHT_FORMATS[algo].from_hf, *stored)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tensors", "input_scale"], meta_fields=["algo"])
+@dataclasses.dataclass(frozen=True)
+class StoredLinear:
+    """One linear module's tensors as stored, read and checked on the host: algo None (dense: tensors is
+    the [out, in] weight) or "FP8" / "NVFP4" (tensors: the stored arrays in the order the format's
+    from_hf takes them); input_scale: the activation scale it runs with, or None (weight-only). A pytree
+    of host arrays, so the experts of a layer stack leaf by leaf before one conversion."""
+
+    algo: str | None
+    tensors: np.ndarray | tuple[np.ndarray, ...]
+    input_scale: np.ndarray | None
+
+    def to_weight(self, dtype) -> Weight:
+        """The weight nemoh holds (leading dims kept, so a stack of experts converts in one go): dense as a
+        jnp array of `dtype`, quantised as FP8Weight / NVFP4Weight in the kernels' layout."""
+        if self.algo is None:
+            return jnp.asarray(self.tensors, dtype)
+        return WEIGHT_FORMATS[self.algo].from_hf(*self.tensors, self.input_scale)
+
+
+def read_stored_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: tuple[int, int],
+                       activation_quant: bool = False) -> StoredLinear:
+    """Read one linear module, logical shape [out, in], in the format the config gives it (see read_linear)."""
+    algo = spec.algo_for(module) if spec else None
+    if algo is None:
+        return StoredLinear(None, _read_dense(src, module, spec, shape), None)
+    _refuse_dense(src, module, algo, spec)
+    input_scale = _input_scale(src, module, spec, activation_quant)
+    stored = {}
+    for suffix, (tensor_shape, tensor_dtype) in stored_tensors(algo, module, shape).items():
+        name = f"{module}.{suffix}"
+        stored[suffix] = _scalar(src, name) if tensor_shape == () else src.get(name, tensor_shape, (tensor_dtype,))
+    if algo == "NVFP4" and (stored["weight_scale"].view(np.uint8) & 0x7F == 0x7F).any():  # e4m3fn's NaNs
+        name = module + ".weight_scale"
+        raise CheckpointError(f"tensor {name} in {src.file_of(name)}: NaN block scale")
+    return StoredLinear(algo, tuple(stored.values()), input_scale)
+
+
 def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: tuple[int, int], dtype,
                 activation_quant: bool = False) -> Weight:
     """Load one linear module's weight, logical shape [out, in], in the format the config gives it.
@@ -281,22 +325,10 @@ def read_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: t
     activation_quant: give the weight its ".input_scale" where the config quantises the module's
     activations (W8A8 / W4A4); otherwise the weight is weight-only and an input_scale is left unused.
     """
-    algo = spec.algo_for(module) if spec else None
-    if algo is None:
-        return _read_dense(src, module, spec, shape, dtype)
-    _refuse_dense(src, module, algo, spec)
-    input_scale = _input_scale(src, module, spec, activation_quant)
-    stored = {}
-    for suffix, (tensor_shape, tensor_dtype) in stored_tensors(algo, module, shape).items():
-        name = f"{module}.{suffix}"
-        stored[suffix] = _scalar(src, name) if tensor_shape == () else src.get(name, tensor_shape, (tensor_dtype,))
-    if algo == "NVFP4" and np.isnan(stored["weight_scale"].astype(np.float32)).any():
-        name = module + ".weight_scale"
-        raise CheckpointError(f"tensor {name} in {src.file_of(name)}: NaN block scale")
-    return WEIGHT_FORMATS[algo].from_hf(*stored.values(), input_scale)
+    return read_stored_linear(src, module, spec, shape, activation_quant).to_weight(dtype)
 
 
-def read_kv_scales(src: TensorSource, module_prefix: str) -> tuple[jnp.ndarray, jnp.ndarray] | None:
+def read_kv_scales(src: TensorSource, module_prefix: str) -> tuple[np.ndarray, np.ndarray] | None:
     """FP8 KV-cache scales of one attention mixer (e.g. "backbone.layers.5.mixer"): the float32 scalars
     {prefix}.k_proj.k_scale and {prefix}.v_proj.v_scale, or None when the checkpoint has neither."""
     k_name, v_name = f"{module_prefix}.k_proj.k_scale", f"{module_prefix}.v_proj.v_scale"

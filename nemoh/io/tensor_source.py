@@ -67,7 +67,7 @@ class _File:
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         raw = self._map[self.data_start + start : self.data_start + end]
-        return np.array(raw).view(dtype).reshape(shape)
+        return np.asarray(raw).view(dtype).reshape(shape)  # a read-only view: its one copy is the caller's
 
 
 class TensorSource:
@@ -124,7 +124,9 @@ class TensorSource:
         return self._entry(name)["dtype"]
 
     def get(self, name: str, shape: tuple[int, ...] | None = None, dtypes: tuple[str, ...] | None = None) -> np.ndarray:
-        """Read one tensor; check its shape and safetensors dtype when given (CheckpointError names both)."""
+        """Read one tensor; check its shape and safetensors dtype when given (CheckpointError names both).
+        The array is a read-only view of the memory-mapped file (no copy is made here): copy it to keep it
+        past a rewrite of that file."""
         where = f"tensor {name} in {self.file_of(name)}"
         if dtypes is not None and self.dtype_of(name) not in dtypes:
             raise CheckpointError(f"{where}: dtype {self.dtype_of(name)}, expected one of {list(dtypes)}")
