@@ -114,6 +114,7 @@ def main() -> int:
             r = result[run]
             print(f"{run}: import {r['import_s']:.1f} s, load {r['load_s']:.1f} s, first token "
                   f"{r['first_token_s']:.1f} s, total {r['total_s']:.1f} s ({r['device']})", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "load.json").write_text(json.dumps(result, indent=2))
     return 0
 
