@@ -2,7 +2,8 @@
 
 Reads config.json, then each tensor on its own (HF keys backbone.layers.{i}.mixer.*), checks its
 shape and dtype against the config, converts it, and drops the host copy before the next one, so host
-memory stays near the size of the result. Experts are stacked along a leading axis. Quantised
+memory stays near the size of the result plus one layer's stack of experts: a layer's experts are read
+into one host stack per stored tensor and converted on the device in one go, stacked along a leading axis. Quantised
 (ModelOpt) linears stay packed. Only JSON and safetensors are read: nothing in the checkpoint runs.
 A missing, unexpected, mis-shaped or unreadable tensor raises CheckpointError naming it and its file,
 and so does a tensor holding NaN or Inf (checked on the device, one small read at the end).
