@@ -93,7 +93,7 @@ def write_dense(directory: Path, cfg: dict | None = None, seed: int = 0) -> dict
 
 def all_tensors(directory: Path) -> dict[str, np.ndarray]:
     src = TensorSource(directory)
-    return {n: np.array(src.get(n)) for n in sorted(src.names())}  # copies: the file is rewritten after
+    return {n: src.get(n) for n in sorted(src.names())}
 
 
 def rewrite_tensors(directory: Path, change) -> None:

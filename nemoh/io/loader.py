@@ -95,10 +95,10 @@ class _Reader:
 
     def stacked_linear(self, modules: list[str], out_dim: int, in_dim: int):
         """One [E, out, in] weight (of any type) from E per-expert modules, all in one format. The experts
-        are read and checked on the host into one stack per stored tensor, which is converted and moved
-        to the device once: one transfer and one conversion per layer, not per expert."""
+        are read and checked on the host (as views of the file) into one stack per stored tensor, which is
+        converted and moved to the device once: one transfer and one conversion per layer, not per expert."""
         shape = (out_dim, in_dim)
-        read = lambda m: read_stored_linear(self.src, m, self.spec, shape, self.activation_quant)
+        read = lambda m: read_stored_linear(self.src, m, self.spec, shape, self.activation_quant, views=True)
         first = read(modules[0])
         tree = jax.tree.structure(first)
         stacks = [np.empty((len(modules), *np.shape(a)), np.asarray(a).dtype) for a in jax.tree.leaves(first)]

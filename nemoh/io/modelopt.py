@@ -231,7 +231,7 @@ def _input_scale(src: TensorSource, module: str, spec: QuantSpec, activation_qua
     return _scalar(src, name, positive=True)
 
 
-def _read_dense(src: TensorSource, module: str, spec: QuantSpec | None, shape) -> np.ndarray:
+def _read_dense(src: TensorSource, module: str, spec: QuantSpec | None, shape, view: bool = False) -> np.ndarray:
     """A module the config leaves dense: [out, in] F32/BF16/F16 (host); quantised tensors are refused."""
     name, scale = module + ".weight", module + ".weight_scale"
     culprit = name if src.dtype_of(name) in _QUANTISED_DTYPES else scale if src.has(scale) else None
@@ -239,7 +239,7 @@ def _read_dense(src: TensorSource, module: str, spec: QuantSpec | None, shape) -
         said = f"{spec.source} does not quantise {module}" if spec else "there is no quantisation config"
         raise CheckpointError(f"tensor {culprit} in {src.file_of(culprit)}: quantised tensor where the config "
                               f"says excluded ({said})")
-    return src.get(name, shape=shape, dtypes=DENSE_DTYPES)
+    return src.get(name, shape=shape, dtypes=DENSE_DTYPES, view=view)
 
 
 def _refuse_dense(src: TensorSource, module: str, algo: str, spec: QuantSpec) -> None:
@@ -299,17 +299,19 @@ class StoredLinear:
 
 
 def read_stored_linear(src: TensorSource, module: str, spec: QuantSpec | None, shape: tuple[int, int],
-                       activation_quant: bool = False) -> StoredLinear:
-    """Read one linear module, logical shape [out, in], in the format the config gives it (see read_linear)."""
+                       activation_quant: bool = False, views: bool = False) -> StoredLinear:
+    """Read one linear module, logical shape [out, in], in the format the config gives it (see read_linear).
+    views: its weight tensors as views of the file (TensorSource.get), for a caller that copies them at once."""
     algo = spec.algo_for(module) if spec else None
     if algo is None:
-        return StoredLinear(None, _read_dense(src, module, spec, shape), None)
+        return StoredLinear(None, _read_dense(src, module, spec, shape, views), None)
     _refuse_dense(src, module, algo, spec)
     input_scale = _input_scale(src, module, spec, activation_quant)
     stored = {}
     for suffix, (tensor_shape, tensor_dtype) in stored_tensors(algo, module, shape).items():
         name = f"{module}.{suffix}"
-        stored[suffix] = _scalar(src, name) if tensor_shape == () else src.get(name, tensor_shape, (tensor_dtype,))
+        stored[suffix] = (_scalar(src, name) if tensor_shape == () else
+                          src.get(name, tensor_shape, (tensor_dtype,), view=views))
     if algo == "NVFP4" and (stored["weight_scale"].view(np.uint8) & 0x7F == 0x7F).any():  # e4m3fn's NaNs
         name = module + ".weight_scale"
         raise CheckpointError(f"tensor {name} in {src.file_of(name)}: NaN block scale")

@@ -67,7 +67,7 @@ class _File:
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         raw = self._map[self.data_start + start : self.data_start + end]
-        return np.asarray(raw).view(dtype).reshape(shape)  # a read-only view: its one copy is the caller's
+        return np.asarray(raw).view(dtype).reshape(shape)
 
 
 class TensorSource:
@@ -123,10 +123,11 @@ class TensorSource:
         """safetensors dtype string: F32, BF16, F16, F8_E4M3, U8, ..."""
         return self._entry(name)["dtype"]
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None, dtypes: tuple[str, ...] | None = None) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...] | None = None, dtypes: tuple[str, ...] | None = None,
+            view: bool = False) -> np.ndarray:
         """Read one tensor; check its shape and safetensors dtype when given (CheckpointError names both).
-        The array is a read-only view of the memory-mapped file (no copy is made here): copy it to keep it
-        past a rewrite of that file."""
+        An array of its own, or with `view` a read-only view of the memory-mapped file, for a caller that
+        copies it at once (a view outlives no rewrite of the file, and jax on a CPU may alias it)."""
         where = f"tensor {name} in {self.file_of(name)}"
         if dtypes is not None and self.dtype_of(name) not in dtypes:
             raise CheckpointError(f"{where}: dtype {self.dtype_of(name)}, expected one of {list(dtypes)}")
@@ -135,7 +136,8 @@ class TensorSource:
         if self.dtype_of(name) not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{where}: unsupported dtype {self.dtype_of(name)}")
         self.consumed.add(name)
-        return self._files[self._file_of[name]].read(name)
+        array = self._files[self._file_of[name]].read(name)
+        return array if view else array.copy()
 
     def mark_used(self, name: str) -> None:
         """Accept a tensor that is present but deliberately not loaded (e.g. an unused input_scale)."""
