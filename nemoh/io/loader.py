@@ -3,14 +3,15 @@
 Reads config.json, then each tensor on its own (HF keys backbone.layers.{i}.mixer.*), checks its
 shape and dtype against the config, converts it, and drops the host copy before the next one, so host
 memory stays near the size of the result plus one layer's stack of experts: a layer's experts are read
-into one host stack per stored tensor and converted on the device in one go, stacked along a leading axis. Quantised
-(ModelOpt) linears stay packed. Only JSON and safetensors are read: nothing in the checkpoint runs.
+into one host stack per stored tensor and converted on the device in one go, stacked along a leading
+axis. Quantised (ModelOpt) linears stay packed. Only JSON and safetensors are read: nothing in the checkpoint runs.
 A missing, unexpected, mis-shaped or unreadable tensor raises CheckpointError naming it and its file,
 and so does a tensor holding NaN or Inf (checked on the device, one small read at the end).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -39,15 +40,10 @@ PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar from 1 GiB of weights on
 IGNORED_PREFIXES = ("mtp.",)  # multi-token-prediction heads: not used for decoding
 
 
-@jax.jit
-def _all_finite(x: jax.Array) -> jax.Array:
-    return jnp.all(jnp.isfinite(x))
-
-
-@jax.jit
-def _finite_rows(x: jax.Array) -> jax.Array:
-    """x [n, ...] -> [n] bool: whether each x[i] is all finite."""
-    return jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1)
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_rows(x: jax.Array, rows: int) -> jax.Array:
+    """x [rows, ...] (any shape when rows is 1) -> [rows] bool: whether each row is all finite."""
+    return jnp.all(jnp.isfinite(x.reshape(rows, -1)), axis=1)
 
 
 class _Reader:
@@ -61,8 +57,15 @@ class _Reader:
         self.src, self.spec, self.dtype, self.activation_quant = src, spec, dtype, activation_quant
         self.finite: list[tuple[tuple[str, ...], jax.Array]] = []  # (names, one flag each)
 
-    def _track(self, name: str, x: jax.Array) -> None:
-        self.finite.append(((name,), _all_finite(x)))
+    def _track(self, names: tuple[str, ...], x: jax.Array) -> None:
+        """One flag per name: x's leading axis runs over them (one name: x is that tensor, whole)."""
+        self.finite.append((names, _finite_rows(x, len(names))))
+
+    def _track_weight(self, modules: list[str], w) -> None:
+        """Flags for the float values of a linear weight, one per module stacked along its leading axis:
+        dense arrays and FP8 codes (NVFP4 codes cannot be NaN; its scales are checked on read)."""
+        if isinstance(w, (jax.Array, FP8Weight)):
+            self._track(tuple(m + ".weight" for m in modules), w.data if isinstance(w, FP8Weight) else w)
 
     def has(self, name: str) -> bool:
         return self.src.has(name)
@@ -74,21 +77,19 @@ class _Reader:
 
     def vector(self, name: str, shape: tuple[int, ...], dtype=None) -> jax.Array:
         x = jnp.asarray(self.src.get(name, shape=shape, dtypes=FLOAT_DTYPES), dtype or self.dtype)
-        self._track(name, x)
+        self._track((name,), x)
         return x
 
     def linear(self, module: str, out_dim: int, in_dim: int):
         w = read_linear(self.src, module, self.spec, (out_dim, in_dim), self.dtype, self.activation_quant)
-        if isinstance(w, (jax.Array, FP8Weight)):  # NVFP4 codes cannot be NaN; its scales are checked on read
-            self._track(module + ".weight", w.data if isinstance(w, FP8Weight) else w)
+        self._track_weight([module], w)
         return w
 
     def check_finite(self) -> None:
         """CheckpointError naming the first tensor (and its file) that holds NaN or Inf."""
         flags = jax.device_get([flag for _, flag in self.finite])
-        names = [name for (group, _), ok in zip(self.finite, flags) for name, fine in zip(group, np.atleast_1d(ok))
-                 if not fine]
-        bad = names[0] if names else None
+        bad = next((name for (names, _), fine in zip(self.finite, flags) for name, ok in zip(names, fine) if not ok),
+                   None)
         if bad is not None:
             raise CheckpointError(f"tensor {bad} in {self.src.file_of(bad)}: holds NaN or Inf values "
                                   f"(as loaded in {self.dtype})")
@@ -110,9 +111,7 @@ class _Reader:
             for stack, a in zip(stacks, jax.tree.leaves(one)):
                 stack[j] = a
         w = jax.tree.unflatten(tree, stacks).to_weight(self.dtype)
-        if isinstance(w, (jax.Array, FP8Weight)):  # NVFP4 codes cannot be NaN; its scales are checked on read
-            self.finite.append((tuple(m + ".weight" for m in modules),
-                                _finite_rows(w.data if isinstance(w, FP8Weight) else w)))
+        self._track_weight(modules, w)
         return w
 
 
