@@ -1,0 +1,157 @@
+"""Where compile time goes: the prefill and decode programs at Nano dims, under sets of XLA flags.
+
+    PYTHONPATH=. python3 benchmarks/compile.py [--layout NANO_NVFP4] [--variants default,autotune0]
+        [--prompt 128] [--steps 32] [--pattern P] [--dims JSON] [--out DIR]
+
+Each variant runs in a fresh process (XLA reads its flags once) with the persistent compilation cache
+off. Per variant: trace + lowering and XLA compile seconds of each program, timed separately; the host
+events of the profiled decode compile summed by name (XLA's passes, autotuning, the Mosaic GPU kernels'
+compiles; nested events count in each enclosing one); the number of Mosaic GPU kernel calls in each
+program and how many of them are distinct; then decode ms per step with that program (median of 3
+calls of --steps steps; ungated: a flag that only changes compile choices keeps the numerics, and the
+gated legs of benchmarks/decode.py measure whatever becomes the default).
+Results: compile.jsonl in --out, one line per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import NANO_DIMS, NANO_PATTERN
+
+VARIANTS = {
+    "default": "",
+    "autotune0": "--xla_gpu_autotune_level=0",
+    "no_triton_gemm": "--xla_gpu_enable_triton_gemm=false",
+    "serial": "--xla_gpu_force_compilation_parallelism=1",
+}
+_MOSAIC = re.compile(r'custom_call_target="mosaic_gpu[^"]*"(.*)')
+_METADATA = re.compile(r"metadata=\{[^}]*\}")
+
+
+def mosaic_calls(hlo_text: str) -> tuple[int, int]:
+    """(Mosaic GPU kernel calls, distinct kernels among them) in a compiled program's HLO text."""
+    calls = [_METADATA.sub("", m) for m in _MOSAIC.findall(hlo_text)]
+    return len(calls), len(set(calls))
+
+
+def host_events(trace_dir: str, top: int = 30) -> list[dict]:
+    """The host-side events of a profiled compile, seconds summed by name, the longest first."""
+    from jax.profiler import ProfileData
+
+    totals, counts = collections.Counter(), collections.Counter()
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                for ev in line.events:
+                    if ev.name.startswith("$"):  # Python frames
+                        continue
+                    totals[ev.name] += ev.duration_ns / 1e9
+                    counts[ev.name] += 1
+    return [{"event": name, "s": round(s, 3), "count": counts[name]} for name, s in totals.most_common(top)]
+
+
+def measure(layout: str, prompt: int, steps: int, pattern: str, dims: str) -> dict:
+    """In this process: build the params, lower and compile both programs, time decode."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.common import nano_config
+    from nemoh.engine.decode import _decode
+    from nemoh.engine.kv_pages import CacheSpec
+    from nemoh.engine.prefill import _prefill, prefill_program
+    from nemoh.engine.sampling import Sampling
+    from nemoh.gate import default_prompts
+    from nemoh.random_params import random_params
+
+    cfg = nano_config(pattern, dims=Path(dims))
+    params = random_params(cfg, layout, dtype=jnp.bfloat16)
+    prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt], seed=1)]
+    params, x, static = prefill_program(params, prompts, max_new_tokens=steps * 4 + 2, sampling=Sampling(),
+                                        stop_ids=(), seed=0, cache=CacheSpec(), prefill_chunk=None, mesh=None,
+                                        rules=None)
+    out = {}
+    t0 = time.perf_counter()
+    lowered = _prefill.lower(params, x, **static)
+    t1 = time.perf_counter()
+    program = lowered.compile()
+    t2 = time.perf_counter()
+    out["prefill"] = {"lower_s": t1 - t0, "compile_s": t2 - t1, "mosaic_calls": mosaic_calls(program.as_text())}
+    carry = program(params, x)
+    t0 = time.perf_counter()
+    lowered = _decode.lower(params, carry, np.int32(steps))
+    t1 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as trace:
+        with jax.profiler.trace(trace):
+            program = lowered.compile()
+        t2 = time.perf_counter()
+        out["decode"] = {"lower_s": t1 - t0, "compile_s": t2 - t1, "mosaic_calls": mosaic_calls(program.as_text()),
+                         "host_events": host_events(trace)}
+    carry = program(params, carry, np.int32(steps))  # first run: kernels load
+    jax.block_until_ready(carry.tokens)
+    per_step = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        carry = program(params, carry, np.int32(steps))
+        jax.block_until_ready(carry.tokens)
+        per_step.append((time.perf_counter() - t0) / steps)
+    out["decode_ms_per_step_ungated"] = 1e3 * statistics.median(per_step)
+    out["device"] = jax.devices()[0].device_kind
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", default="NANO_NVFP4")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"names from {sorted(VARIANTS)}")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--pattern", default=NANO_PATTERN, help="layer pattern (default: Nano's 52)")
+    ap.add_argument("--dims", default=str(NANO_DIMS), help="config.json fields giving the widths (default: Nano's)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.layout, args.prompt, args.steps, args.pattern, args.dims)))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.variants.split(","):
+        flags = VARIANTS[name]
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(),
+               "NEMOH_COMPILATION_CACHE": "0"}
+        cmd = [sys.executable, __file__, "--child", "--layout", args.layout, "--prompt", str(args.prompt),
+               "--steps", str(args.steps), "--pattern", args.pattern, "--dims", args.dims]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            print(f"{name}: FAILED rc={done.returncode}: {done.stderr[-1500:]}", flush=True)
+            continue
+        r = {"variant": name, "xla_flags": flags, "layout": args.layout, **json.loads(done.stdout.splitlines()[-1])}
+        with (out / "compile.jsonl").open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        p, d = r["prefill"], r["decode"]
+        print(f"{name} ({flags or 'no flags'}): prefill lower {p['lower_s']:.1f} s compile {p['compile_s']:.1f} s "
+              f"(Mosaic calls {p['mosaic_calls']}); decode lower {d['lower_s']:.1f} s compile {d['compile_s']:.1f} s "
+              f"(Mosaic calls {d['mosaic_calls']}); decode {r['decode_ms_per_step_ungated']:.3f} ms/step ungated",
+              flush=True)
+        for ev in d["host_events"][:15]:
+            print(f"    {ev['s']:8.2f} s  x{ev['count']:<6} {ev['event'][:110]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
