@@ -1,0 +1,37 @@
+"""benchmarks/compile.py: the Mosaic kernel count of a program's HLO and one in-process measurement of
+both programs' compile (a tiny model on the CPU: seconds, host events, a timed decode)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.compile import measure, mosaic_calls
+
+HLO = """
+%a = f32[8]{0} custom-call(%x), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe/1"}, backend_config="k1"
+%b = f32[8]{0} custom-call(%y), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe/2"}, backend_config="k1"
+%c = f32[8]{0} custom-call(%z), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/mamba"}, backend_config="k2"
+%d = f32[8]{0} custom-call(%z), custom_call_target="cublas$gemm", backend_config="k1"
+"""
+
+DIMS = dict(vocab_size=64, hidden_size=64, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+            conv_kernel=4, chunk_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32, eos_token_id=2)
+
+
+def test_mosaic_calls_counts_calls_and_distinct_kernels_apart_from_metadata():
+    assert mosaic_calls(HLO) == (3, 2)
+    assert mosaic_calls("") == (0, 0)
+
+
+def test_measure_times_both_programs(tmp_path):
+    dims = tmp_path / "dims.json"
+    dims.write_text(json.dumps(DIMS))
+    r = measure("NANO_NVFP4", prompt=5, steps=2, pattern="ME*M", dims=str(dims))
+    for program in ("prefill", "decode"):
+        assert r[program]["lower_s"] > 0 and r[program]["compile_s"] > 0
+        assert r[program]["mosaic_calls"] == (0, 0)  # the CPU runs the "xla" reference ops
+    events = {e["event"] for e in r["decode"]["host_events"]}
+    assert "backend_compile_and_load" in events and not any(e.startswith("$") for e in events)
+    assert r["decode_ms_per_step_ungated"] > 0
