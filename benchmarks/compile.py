@@ -71,6 +71,7 @@ def measure(layout: str, prompt: int, steps: int, pattern: str, dims: str) -> di
     import numpy as np
 
     from benchmarks.common import nano_config
+    from nemoh.compile_cache import set_compilation_cache
     from nemoh.engine.decode import _decode
     from nemoh.engine.kv_pages import CacheSpec
     from nemoh.engine.prefill import _prefill, prefill_program
@@ -78,6 +79,7 @@ def measure(layout: str, prompt: int, steps: int, pattern: str, dims: str) -> di
     from nemoh.gate import default_prompts
     from nemoh.random_params import random_params
 
+    set_compilation_cache(None)  # compile, never load from a cache
     cfg = nano_config(pattern, dims=Path(dims))
     params = random_params(cfg, layout, dtype=jnp.bfloat16)
     prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt], seed=1)]

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 ENV_VAR = "NEMOH_COMPILATION_CACHE"
 _OFF = ("0", "off", "false", "no")
@@ -25,7 +26,10 @@ def default_cache_dir() -> Path:
 
 
 def set_compilation_cache(path: str | Path | None) -> Path | None:
-    """Use `path` as JAX's persistent compilation cache (None turns it off). Returns the path in use."""
+    """Use `path` as JAX's persistent compilation cache (None turns it off). Returns the path in use.
+    Takes effect for the next compile also in a process that has compiled already (JAX decides once per
+    process whether to use its cache and where it is, so that decision is reset here)."""
+    compilation_cache.reset_cache()
     if path is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 
+import jax
+
 from benchmarks.compile import measure, mosaic_calls
+from nemoh.compile_cache import set_compilation_cache
 
 HLO = """
-%a = f32[8]{0} custom-call(%x), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe/1"}, backend_config="k1"
-%b = f32[8]{0} custom-call(%y), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe/2"}, backend_config="k1"
-%c = f32[8]{0} custom-call(%z), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/mamba"}, backend_config="k2"
-%d = f32[8]{0} custom-call(%z), custom_call_target="cublas$gemm", backend_config="k1"
+%a = f32[8] custom-call(%x), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe/1"}, backend_config="k1"
+%b = f32[8] custom-call(%y), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe/2"}, backend_config="k1"
+%c = f32[8] custom-call(%z), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/mamba"}, backend_config="k2"
+%d = f32[8] custom-call(%z), custom_call_target="cublas$gemm", backend_config="k1"
 """
 
 DIMS = dict(vocab_size=64, hidden_size=64, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
@@ -28,7 +31,11 @@ def test_mosaic_calls_counts_calls_and_distinct_kernels_apart_from_metadata():
 def test_measure_times_both_programs(tmp_path):
     dims = tmp_path / "dims.json"
     dims.write_text(json.dumps(DIMS))
-    r = measure("NANO_NVFP4", prompt=5, steps=2, pattern="ME*M", dims=str(dims))
+    cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
+    try:
+        r = measure("NANO_NVFP4", prompt=5, steps=2, pattern="ME*M", dims=str(dims))  # turns the cache off
+    finally:
+        set_compilation_cache(cache)
     for program in ("prefill", "decode"):
         assert r[program]["lower_s"] > 0 and r[program]["compile_s"] > 0
         assert r[program]["mosaic_calls"] == (0, 0)  # the CPU runs the "xla" reference ops

@@ -52,6 +52,37 @@ def test_cache_can_be_turned_off(tmp_path):
     assert not off["enabled"] and off["hits"] == 0
 
 
+# In one process: generate with the cache in argv[1], then with it off, then in argv[2]; each time after
+# jax.clear_caches(), so every program compiles again. Prints the cache requests of each phase.
+SWITCHING = f"""
+import json, sys, jax
+from pathlib import Path
+requests = []
+jax.monitoring.register_event_listener(lambda e, **k: requests.append(e) if e.endswith("requests_use_cache") else None)
+import nemoh
+params = nemoh.load({str(TINY)!r})
+counts = []
+for where in (sys.argv[1], None, sys.argv[2]):
+    nemoh.set_compilation_cache(where)
+    jax.clear_caches()
+    before = len(requests)
+    nemoh.generate(params, [[1, 2, 3]], max_new_tokens=3)
+    counts.append(len(requests) - before)
+print(json.dumps({{"requests": counts, "second_dir_files": len(list(Path(sys.argv[2]).iterdir()))}}))
+"""
+
+
+def test_switching_the_cache_in_a_running_process(tmp_path):
+    env = {**os.environ, "NEMOH_COMPILATION_CACHE": "off"}
+    out = subprocess.run([sys.executable, "-c", SWITCHING, str(tmp_path / "a"), str(tmp_path / "b")], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    on_a, off, on_b = r["requests"]
+    assert on_a >= 2 and off == 0 and on_b >= 2, r  # turned off, no program goes near the cache
+    assert r["second_dir_files"] > 0  # and the new location is the one written
+
+
 def test_default_location_is_the_user_cache_dir(monkeypatch, tmp_path):
     from nemoh.compile_cache import default_cache_dir
 
