@@ -31,7 +31,7 @@ case "${1:-}" in
   fp8) for layout in NANO_FP8 MIXED; do
          leg 280 benchmarks/decode.py --layouts "$layout" --batches 1,32 --profile-batches "" --steps 32 --repeats 2
        done ;;
-  compile) leg 560 benchmarks/compile.py ;;
+  compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
         # program, this tree and (when present) an older one extracted to _old, e.g. a8f5353 with
