@@ -17,6 +17,7 @@ HLO = """
 %d = f32[8] custom-call(%z), custom_call_target="cublas$gemm", backend_config="k1"
 """
 
+# Widths the NVFP4 layout takes (every quantised matrix's input a multiple of 16).
 DIMS = dict(vocab_size=64, hidden_size=64, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
             conv_kernel=4, chunk_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -28,27 +28,29 @@ print(json.dumps({{"dir": jax.config.jax_compilation_cache_dir,
 """
 
 
-def _run(env_value: str | None, action: str = "generate") -> dict:
+def _run(env_value: str | None, *argv: str, program: str = PROGRAM) -> dict:
+    """Run `program` in a fresh interpreter with NEMOH_COMPILATION_CACHE=env_value (None: unset); its last
+    line of output, parsed."""
     env = {k: v for k, v in os.environ.items() if k != "NEMOH_COMPILATION_CACHE"}
     if env_value is not None:
         env["NEMOH_COMPILATION_CACHE"] = env_value
-    out = subprocess.run([sys.executable, "-c", PROGRAM, action], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", program, *argv], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_second_process_hits_the_cache(tmp_path):
-    first = _run(str(tmp_path / "cache"))
+    first = _run(str(tmp_path / "cache"), "generate")
     assert first["enabled"] and first["dir"] == str(tmp_path / "cache") and first["hits"] == 0
     assert any((tmp_path / "cache").iterdir())  # programs were written
-    second = _run(str(tmp_path / "cache"))
+    second = _run(str(tmp_path / "cache"), "generate")
     # every program came from disk: prefill and decode, and the loader's small conversions too
     assert second["hits"] >= 2 and second["hits"] == second["requests"], second
 
 
 def test_cache_can_be_turned_off(tmp_path):
-    off = _run("off", action="import")
+    off = _run("off", "import")
     assert not off["enabled"] and off["hits"] == 0
 
 
@@ -73,11 +75,7 @@ print(json.dumps({{"requests": counts, "second_dir_files": len(list(Path(sys.arg
 
 
 def test_switching_the_cache_in_a_running_process(tmp_path):
-    env = {**os.environ, "NEMOH_COMPILATION_CACHE": "off"}
-    out = subprocess.run([sys.executable, "-c", SWITCHING, str(tmp_path / "a"), str(tmp_path / "b")], env=env,
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _run("off", str(tmp_path / "a"), str(tmp_path / "b"), program=SWITCHING)
     on_a, off, on_b = r["requests"]
     assert on_a >= 2 and off == 0 and on_b >= 2, r  # turned off, no program goes near the cache
     assert r["second_dir_files"] > 0  # and the new location is the one written
