@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._backend import interpret_params, num_sms
-from pallas_kernels._wgemm import TN, weight_gemm_t
+from pallas_kernels._wgemm import TN, weight_gemm
 from pallas_kernels.formats import Weight, is_quantized
 
 ROW_ALIGN = 32  # bytes: weight rows must hold whole 32-byte swizzle tiles
@@ -111,10 +111,10 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     fmt, arr, scale, post = _weight_operands(w)
     tk, splits, k_total = _plan(fmt, arr.dtype, k, arr.shape[1] // TN, num_blocks, tiling)
     x, row_exp = _activations(xb, fmt, arr.dtype)
-    out = weight_gemm_t(_pad_axis(x, 2, k_total), arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
+    out = weight_gemm(_pad_axis(x, 2, k_total), arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                         stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.
         out = jax.block_until_ready(out)
-    y = jnp.swapaxes(out.sum(axis=0), 1, 2)[:, :, :n] * post[eid][:, None, None]
+    y = out.sum(axis=0)[:, :, :n] * post[eid][:, None, None]
     return y if row_exp is None else jnp.ldexp(y, row_exp[..., None])

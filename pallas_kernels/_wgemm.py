@@ -1,10 +1,12 @@
 """The one Mosaic GPU kernel behind every op: a weight-stationary, swap-AB blocked GEMM.
 
 For each block b of `tm` activation rows and each 64-row tile of its weight W[eid[b]] (logical
-[N, K]) it computes the transposed product  out[s, b, n, :] = W[eid[b], n, Ks] @ x[b, :, Ks]^T  over
-the K range Ks of split s (split-K; the caller sums over s). Weights sit on the wgmma M side (64 rows,
-the Hopper minimum), activations on the N side (tm = 8..128), so decode (M = 1..8) wastes no weight
-bandwidth. Quantised weights are decoded in registers right before the wgmma (never written back).
+[N, K]) it computes  out[s, b, :, n] = x[b, :, Ks] @ W[eid[b], n, Ks]^T  over the K range Ks of split s
+(split-K; the caller sums over s). Weights sit on the wgmma M side (64 rows, the Hopper minimum),
+activations on the N side (tm = 8..128), so decode (M = 1..8) wastes no weight bandwidth; the [64, tm]
+accumulator is stored transposed, so the output is row-major [tm, N] per block as its consumers read it
+(no transpose pass in XLA). Quantised weights are decoded in registers right before the wgmma (never
+written back).
 
 Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats):
   x      [B, tm, K] in the MMA dtype (dense: the weight's dtype; quantised: float16, what they decode to)
@@ -70,9 +72,9 @@ def scale_rows_per_step(fmt, tk: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "interpret"))
-def weight_gemm_t(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                  ptx: bool = False, interpret=None):
-    """Transposed blocked product, float32 [splits, B, N, tm] (see module docstring)."""
+def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
+                ptx: bool = False, interpret=None):
+    """Blocked product, float32 [splits, B, tm, N] (see module docstring)."""
     num_blocks, tm, kx = x.shape
     _, n, _ = w.shape
     tkx = tk * (fmt.K_PER_ELEMENT if fmt else 1)
@@ -123,11 +125,14 @@ def weight_gemm_t(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, s
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*operands)
                 return acc[...]
 
-            o_ref[s, b, pl.ds(n0, TN), :] = pl.run_scoped(acc_scope, plgpu.ACC((TN, tm)))
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((TN, tm)))
+            # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle away from WGMMA), so each
+            # thread stores adjacent n of the row-major output tile.
+            o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
 
     kernel = plgpu.kernel(
         wgemm,
-        out_type=jax.ShapeDtypeStruct((splits, num_blocks, n, tm), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, num_blocks, tm, n), jnp.float32),
         grid=(n // TN, num_blocks, splits),
         grid_names=("n", "b", "s"),
         scratch_types=[plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [],
