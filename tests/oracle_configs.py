@@ -20,6 +20,13 @@ _COMMON = {
     "mlp_hidden_act": "relu2", "pad_token_id": 0, "bos_token_id": 1,
 }
 
+# Widths every quantised layout takes (each quantised matrix's input a multiple of 16, which all_kinds'
+# 24-wide shared expert is not): for benchmark tests that build NVFP4 models without the oracle.
+QUANTISABLE_WIDTHS = dict(vocab_size=64, hidden_size=64, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+                          n_groups=2, conv_kernel=4, chunk_size=8, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          moe_shared_expert_intermediate_size=32, eos_token_id=2)
+
 CONFIGS: dict[str, dict] = {
     # Every layer kind; Nano-like MoE (one routing group, normalised top-k, scaling 2.5).
     "all_kinds": {

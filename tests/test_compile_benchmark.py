@@ -9,6 +9,7 @@ import jax
 
 from benchmarks.compile import measure, mosaic_calls
 from nemoh.compile_cache import set_compilation_cache
+from oracle_configs import QUANTISABLE_WIDTHS
 
 HLO = """
 %a = f32[8] custom-call(%x), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/moe/1"}, backend_config="k1"
@@ -16,12 +17,6 @@ HLO = """
 %c = f32[8] custom-call(%z), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/mamba"}, backend_config="k2"
 %d = f32[8] custom-call(%z), custom_call_target="cublas$gemm", backend_config="k1"
 """
-
-# Widths the NVFP4 layout takes (every quantised matrix's input a multiple of 16).
-DIMS = dict(vocab_size=64, hidden_size=64, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
-            conv_kernel=4, chunk_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            moe_shared_expert_intermediate_size=32, eos_token_id=2)
 
 
 def test_mosaic_calls_counts_calls_and_distinct_kernels_apart_from_metadata():
@@ -31,7 +26,7 @@ def test_mosaic_calls_counts_calls_and_distinct_kernels_apart_from_metadata():
 
 def test_measure_times_both_programs(tmp_path):
     dims = tmp_path / "dims.json"
-    dims.write_text(json.dumps(DIMS))
+    dims.write_text(json.dumps(QUANTISABLE_WIDTHS))
     cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
     try:
         r = measure("NANO_NVFP4", prompt=5, steps=2, pattern="ME*M", dims=str(dims))  # turns the cache off

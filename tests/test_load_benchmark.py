@@ -12,12 +12,10 @@ import nemoh
 from benchmarks.load import write_checkpoint
 from nemoh.io.layout import hf_layout
 from nemoh.io.tensor_source import TensorSource
+from oracle_configs import QUANTISABLE_WIDTHS
 from pallas_kernels import NVFP4Weight
 
-CONFIG = dict(vocab_size=64, hidden_size=64, hybrid_override_pattern="ME*M", mamba_num_heads=4, mamba_head_dim=16,
-              ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
-              moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, eos_token_id=2)
+CONFIG = {**QUANTISABLE_WIDTHS, "hybrid_override_pattern": "ME*M"}
 
 
 def test_written_checkpoint_is_modelopt_layout_and_loads(tmp_path):
