@@ -10,6 +10,7 @@
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
+#   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
 #   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
 #                                     # 13-layer batch-1 decode, this tree and one extracted to _old
 #
@@ -19,6 +20,11 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-.}
+# The code a run measured: a digest of the sources (a copied checkout's .git can lag its files), printed
+# first by every part; `bash benchmarks/h200.sh tree-id` prints it for the checkout at hand.
+tree_id() { find nemoh pallas_kernels benchmarks -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12; }
+[ "${1:-}" = tree-id ] && { tree_id; exit 0; }
+echo "tree $(tree_id) ($(git rev-parse --short HEAD 2>/dev/null) $(git status --short 2>/dev/null | wc -l) changed)"
 quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\|\*\*\*\*"; }
 leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tail -60; }
 
@@ -46,5 +52,5 @@ case "${1:-}" in
              | quiet | grep "batch 1:\|sum of kernels\|idle between")
           (cd "$dump" && tar czf "$OUT/thunks-$name.tgz" $(ls | grep "_decode.*\(thunk_sequence\|after_optimizations.txt\)"))
         done ;;
-  *) echo "usage: bash benchmarks/h200.sh nvfp4|nvfp4-more|dense|fp8|compile|load|idle" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh nvfp4|nvfp4-more|dense|fp8|compile|load|idle|tree-id" >&2; exit 2 ;;
 esac

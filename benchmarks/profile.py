@@ -3,10 +3,13 @@
 Every layer's ops carry a named scope (nemoh.model.layer_scope: mamba, attention, moe, mlp) and the
 output projection carries "lm_head"; anything else in the decode step (embedding, sampling, carry
 bookkeeping, the loop itself) is "glue". A fused XLA kernel is named after its HLO instruction, and the
-compiled program's HLO text maps each instruction to its op_name, which holds the scope. Kernels that
-are not named after an instruction (the Mosaic GPU kernels, cuBLAS, copies) take the scope of the
-nearest named kernel before them on the same stream (their own launch's operand prep). Kernel time
-is summed per scope; the rest of the profiled wall time is launch gaps and host work.
+compiled program's HLO text maps each instruction to its op_name, which holds the scope. The Mosaic GPU
+kernels all share one name; the profiler reports each launch's CUDA grid, which is the kernel's grid
+(N/64, B, splits) in reverse order, and the HLO gives each Mosaic custom call's output f32[splits, B, tm, N]
+and scope: a grid found in one scope only takes that scope. Other kernels not named after an instruction
+(cuBLAS, copies, Mosaic grids shared by several scopes) take the scope of the nearest attributed kernel
+before them on the same stream (their own launch's operand prep). Kernel time is summed per scope; the
+rest of the profiled wall time is launch gaps and host work.
 """
 
 from __future__ import annotations
@@ -21,10 +24,17 @@ import jax
 
 SCOPES = ("mamba", "attention", "moe", "mlp", "lm_head")
 _INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name="([^"]*)"')
+_MOSAIC_OUT = re.compile(r'=\s*f32\[(\d+),(\d+),\d+,(\d+)\]\S*\s+custom-call\(.*custom_call_target="mosaic_gpu')
+_GRID = re.compile(r"\bgrid:([\d,]+)")
+TILE_N = 64  # output columns per Mosaic kernel CTA (pallas_kernels' weight tile)
 
 
 def _norm(name: str) -> str:
     return name.replace(".", "_").replace("-", "_")
+
+
+def _scope(op_name: str) -> str:
+    return next((p for p in op_name.split("/") if p in SCOPES), "glue")
 
 
 def op_scopes(hlo_text: str) -> dict[str, str]:
@@ -33,9 +43,39 @@ def op_scopes(hlo_text: str) -> dict[str, str]:
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
         if m:
-            parts = m.group(2).split("/")
-            out[_norm(m.group(1))] = next((p for p in parts if p in SCOPES), "glue")
+            out[_norm(m.group(1))] = _scope(m.group(2))
     return out
+
+
+def mosaic_grid_scopes(hlo_text: str) -> dict[str, str]:
+    """CUDA grid as the profiler prints it ("splits,B,N/64") -> scope, for the grids of Mosaic weight
+    kernels that occur in one scope only."""
+    seen = collections.defaultdict(set)
+    for line in hlo_text.splitlines():
+        out, op = _MOSAIC_OUT.search(line), _INSTR.match(line)
+        if out and op:
+            splits, blocks, n = (int(g) for g in out.groups())
+            seen[f"{splits},{blocks},{-(-n // TILE_N)}"].add(_scope(op.group(2)))
+    return {grid: scopes.pop() for grid, scopes in seen.items() if len(scopes) == 1}
+
+
+def attribute(events, hlo_text: str) -> tuple[list[str], int]:
+    """The scope of each event (name, duration ns, start ns, CUDA grid or None, stream), in the order
+    given, and how many were scoped by their neighbour."""
+    by_name, by_grid = op_scopes(hlo_text), mosaic_grid_scopes(hlo_text)
+    scopes = [None] * len(events)
+    last_scope: dict[str, str] = {}
+    by_neighbour = 0
+    for i in sorted(range(len(events)), key=lambda i: events[i][2]):
+        name, _, _, grid, stream = events[i]
+        scope = by_name.get(_norm(name)) or by_grid.get(grid)
+        if scope is None:
+            by_neighbour += 1
+            scope = last_scope.get(stream, "glue")
+        else:
+            last_scope[stream] = scope
+        scopes[i] = scope
+    return scopes, by_neighbour
 
 
 def _gpu_kernel_events(xspace_path: str):
@@ -49,15 +89,14 @@ def _gpu_kernel_events(xspace_path: str):
             if "stream" not in line.name.lower():
                 continue
             for ev in line.events:
-                stats = dict(ev.stats)
-                yield ev.name, float(ev.duration_ns), float(ev.start_ns), stats.get("hlo_op"), line.name
+                grid = _GRID.search(str(dict(ev.stats).get("kernel_details", "")))
+                yield ev.name, float(ev.duration_ns), float(ev.start_ns), grid and grid.group(1), line.name
 
 
 def profile_breakdown(run, hlo_text: str, steps: int) -> dict:
     """Profile `run()` (which must block until done and run `steps` decode steps) and split its GPU
     kernel time by scope. Returns per-scope kernel µs and launches per step, the top kernels, and the
     profiled wall time per step."""
-    scopes = op_scopes(hlo_text)
     with tempfile.TemporaryDirectory(prefix="nemoh-profile-") as tmp:
         with jax.profiler.trace(tmp):
             t0 = time.perf_counter()
@@ -68,18 +107,11 @@ def profile_breakdown(run, hlo_text: str, steps: int) -> dict:
     per_scope_us = collections.Counter()
     per_scope_n = collections.Counter()
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
-    unmapped = 0
-    last_scope: dict[str, str] = {}
-    for name, dur, _, _, stream in sorted(events, key=lambda e: e[2]):
-        scope = scopes.get(_norm(name))
-        if scope is None:
-            unmapped += 1
-            scope = last_scope.get(stream, "glue")
-        else:
-            last_scope[stream] = scope
+    scopes, unmapped = attribute(events, hlo_text)
+    for (name, dur, _, grid, _), scope in zip(events, scopes):
         per_scope_us[scope] += dur / 1e3
         per_scope_n[scope] += 1
-        k = per_kernel[(scope, name[:90])]
+        k = per_kernel[(scope, f"{name[:90]} grid {grid}" if grid and "mosaic" in name else name[:90])]
         k[0] += dur / 1e3
         k[1] += 1
     span_us = 0.0

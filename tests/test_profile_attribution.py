@@ -1,0 +1,35 @@
+"""benchmarks/profile.py: which layer kind each GPU kernel of a profiled step is counted under."""
+
+from __future__ import annotations
+
+from benchmarks.profile import attribute, mosaic_grid_scopes
+
+# Lines in the form of a compiled decode program's HLO: fusions named after their instruction, and
+# Mosaic weight kernels (output f32[splits, B, tm, N]); the o_proj and out_proj grids coincide.
+HLO = """
+  %loop_pad_fusion.8 = f16[1,8,4224]{2,1,0} fusion(%p), kind=kLoop, metadata={op_name="jit(_decode)/while/body/mamba/pad"}
+  %mpmd_map.4 = f32[4,1,8,10304]{3,2,1,0} custom-call(%c, %loop_pad_fusion.8), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(_decode)/while/body/mamba/jit(weight_gemm)/wgemm/mpmd_map"}
+  %mpmd_map.6 = f32[13,1,8,2688]{3,2,1,0} custom-call(%c, %x), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(_decode)/while/body/mamba/jit(weight_gemm)/wgemm/mpmd_map"}
+  %mpmd_map.7 = f32[13,1,8,2688]{3,2,1,0} custom-call(%c, %y), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(_decode)/while/body/attention/jit(weight_gemm)/wgemm/mpmd_map"}
+  %input_reduce_fusion = f32[1]{0} fusion(%h), kind=kInput, metadata={op_name="jit(_decode)/while/body/reduce_sum"}
+  %mpmd_map.25 = f32[1,1,8,131072]{3,2,1,0} custom-call(%c, %z), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(_decode)/while/body/lm_head/jit(weight_gemm)/wgemm/mpmd_map"}
+"""
+MOSAIC = "wgemm_mosaic_gpu_kernel"
+
+
+def test_mosaic_grids_map_to_their_scope_when_unambiguous():
+    assert mosaic_grid_scopes(HLO) == {"4,1,161": "mamba", "1,1,2048": "lm_head"}
+
+
+def test_kernels_are_attributed_by_name_then_grid_then_neighbour():
+    events = [  # (name, duration ns, start ns, CUDA grid, stream), deliberately out of time order
+        (MOSAIC, 5.0, 2.0, "4,1,161", "s"),
+        ("loop_pad_fusion_8", 1.0, 1.0, None, "s"),
+        (MOSAIC, 5.0, 3.0, "13,1,42", "s"),   # shared grid: the scope of the kernel before it
+        ("input_reduce_fusion", 1.0, 4.0, None, "s"),
+        (MOSAIC, 9.0, 5.0, "1,1,2048", "s"),  # the head, after a glue kernel
+        ("MemcpyD2D", 1.0, 6.0, None, "s"),
+    ]
+    scopes, by_neighbour = attribute(events, HLO)
+    assert scopes == ["mamba", "mamba", "mamba", "glue", "lm_head", "lm_head"]
+    assert by_neighbour == 2
