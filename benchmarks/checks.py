@@ -58,11 +58,11 @@ def use_this_interpreter_as_oracle_if_needed() -> None:
 
 def perturbed(params, factor: float = 1.001):
     """params with every projection scaled by `factor` (dense weights, FP8 scales, NVFP4 global scales)."""
-    def scale(w):
+    def scale(w):  # replace() keeps every other field: input_scale (activation quantisation) above all
         if isinstance(w, FP8Weight):
-            return FP8Weight(w.data, w.scale * factor)
+            return dataclasses.replace(w, scale=w.scale * factor)
         if isinstance(w, NVFP4Weight):
-            return NVFP4Weight(w.packed, w.scale, w.global_scale * factor)
+            return dataclasses.replace(w, global_scale=w.global_scale * factor)
         return w * factor if w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating) else w
     return jax.tree.map(scale, params, is_leaf=is_quantized)
 

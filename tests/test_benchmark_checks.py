@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import benchmarks.checks as checks
 from nemoh.config import NemotronHConfig
 from nemoh.random_params import random_params
 from oracle_configs import QUANTISABLE_WIDTHS
+from pallas_kernels import linear
 
 CONFIG = NemotronHConfig.from_dict({**QUANTISABLE_WIDTHS, "hybrid_override_pattern": "ME*M-", "intermediate_size": 32})
 
@@ -29,3 +35,22 @@ def test_lm_head_check_widens_only_the_head(monkeypatch):
     monkeypatch.setattr(checks, "logits_from_hidden", lambda p, h: seen.append(len(p.layers)) or real(p, h))
     checks.layer_check(random_params(CONFIG, "dense"), batch=2, context=8)
     assert seen == [0, 0]
+
+
+@pytest.mark.parametrize("layout", ["NANO_FP8", "NANO_NVFP4"])
+def test_margin_perturbation_scales_outputs_and_keeps_activation_quantisation(layout):
+    """The margin check's x1.001 model differs from the model only by that factor: a projection that
+    quantises its input (a calibrated W8A8 / W4A4 checkpoint's) still does."""
+    params = random_params(CONFIG, layout, dtype=jnp.float32)
+    moe = params.layers[1]
+    up = moe.experts_up
+    per_tensor = up.scale if layout == "NANO_FP8" else up.global_scale
+    up = dataclasses.replace(up, input_scale=jnp.full(per_tensor.shape, 0.01, jnp.float32))
+    params = dataclasses.replace(params, layers=(params.layers[0], dataclasses.replace(moe, experts_up=up),
+                                                 *params.layers[2:]))
+    perturbed_up = checks.perturbed(params).layers[1].experts_up
+    assert perturbed_up.input_scale is not None
+    x = jax.random.normal(jax.random.key(0), (3, up.shape[-1]), jnp.float32)
+    first = lambda w: jax.tree.map(lambda t: t[0], w)  # expert 0
+    np.testing.assert_allclose(linear(x, first(perturbed_up), impl="xla"), 1.001 * linear(x, first(up), impl="xla"),
+                               rtol=1e-5, atol=1e-6)
