@@ -2,7 +2,8 @@
 
 Run on the GPU machine:  PYTHONPATH=. python3 benchmarks/kernels.py [--sweep] [--out DIR]
 Cases: NVFP4 / FP8 / bf16 GEMV 2688 -> 10304 (mamba in_proj) at M=1, the same as a prefill GEMM at M=512,
-and MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688) with bf16 / FP8 / NVFP4 experts.
+and MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688; and 32 tokens, a batch-32 step, which
+reads most experts once) with bf16 / FP8 / NVFP4 experts; the MoE floor counts the experts selected.
 
 Timing: each jitted call runs the op over R rotated weight copies (or R expert selections), so the
 weights are not L2-resident and launch gaps are those of one compiled program; reported time is the
@@ -129,19 +130,22 @@ def ref_matmul(x, w):
     return jnp.einsum("mk,nk->mn", x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
 
 
-def moe_case_inputs(key, copies):
-    """x [1, H], and per copy a distinct random set of 6 experts with random weights."""
-    x = jax.random.normal(key, (1, HIDDEN), jnp.float32).astype(jnp.bfloat16)
+def moe_case_inputs(key, copies, tokens):
+    """x [T, H], and per copy, for each token, a distinct random set of 6 experts with random weights."""
+    x = jax.random.normal(key, (tokens, HIDDEN), jnp.float32).astype(jnp.bfloat16)
     sel = []
     for i in range(copies):
         k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-        idx = jax.random.permutation(k1, EXPERTS)[:TOPK].reshape(1, TOPK).astype(jnp.int32)
-        sel.append((idx, jax.nn.softmax(jax.random.normal(k2, (1, TOPK)))))
+        perms = jax.vmap(lambda k: jax.random.permutation(k, EXPERTS)[:TOPK])(jax.random.split(k1, tokens))
+        sel.append((perms.astype(jnp.int32), jax.nn.softmax(jax.random.normal(k2, (tokens, TOPK)))))
     return x, sel
 
 
-def run_moe(key, sweep, rows, copies=8):
-    x, sel = moe_case_inputs(key, copies)
+def run_moe(key, sweep, rows, tokens):
+    """moe_experts for `tokens` tokens (1: batch-1 decode; 32: a batch-32 step, which touches most experts)
+    against ragged_dot and the XLA reference, per weight format."""
+    copies = 8 if tokens == 1 else 4
+    x, sel = moe_case_inputs(key, copies, tokens)
     ragged_up = rand_dense(jax.random.fold_in(key, 7), (EXPERTS,), HIDDEN, FFN)  # [E, K, N] layout
     ragged_down = rand_dense(jax.random.fold_in(key, 8), (EXPERTS,), FFN, HIDDEN)
 
@@ -153,7 +157,7 @@ def run_moe(key, sweep, rows, copies=8):
         lhs = jnp.repeat(x, TOPK, axis=0)[order]
         h = jnp.square(jnp.maximum(jax.lax.ragged_dot(lhs, w_up, sizes, preferred_element_type=jnp.float32), 0))
         o = jax.lax.ragged_dot(h.astype(jnp.bfloat16), w_down, sizes, preferred_element_type=jnp.float32)
-        return jnp.zeros((TOPK, HIDDEN), jnp.float32).at[order].set(o).sum(0)
+        return jnp.zeros((tokens * TOPK, HIDDEN), jnp.float32).at[order].set(o).reshape(tokens, TOPK, -1).sum(1)
 
     # Weights are jit arguments (never closed over: that would embed them as constants).
     ragged_fn = jax.jit(lambda x, ss, u, d: [ragged(x, s, u, d) for s in ss])
@@ -164,11 +168,13 @@ def run_moe(key, sweep, rows, copies=8):
     for fmt, mk in (("dense", rand_dense), ("fp8", rand_fp8), ("nvfp4", rand_nvfp4)):
         ku, kd = jax.random.split(jax.random.fold_in(key, len(fmt)))
         up, down = mk(ku, (EXPERTS,), FFN, HIDDEN), mk(kd, (EXPERTS,), HIDDEN, FFN)
-        floor_bytes = TOPK * (nbytes(up) + nbytes(down)) / EXPERTS
+        floor_bytes = len(set(sel[0][0].reshape(-1).tolist())) * (nbytes(up) + nbytes(down)) / EXPERTS
         ref = reference.moe_experts(x, *sel[0], up, down)
         xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
         print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
-        tilings = [Tiling()] + ([Tiling(ptx=False), Tiling(ctas_per_sm=8)] if sweep else [])
+        tk0 = 64 if fmt == "nvfp4" else 128 // (2 if fmt == "dense" else 1)
+        tilings = [Tiling()] + ([Tiling(ptx=False), Tiling(ctas_per_sm=8), Tiling(stages=2), Tiling(stages=6),
+                                 Tiling(tk=2 * tk0)] if sweep else [])
         best = None
         for t in tilings:
             fn = jax.jit(lambda x, ss, u, d, t=t: [moe_experts(x, *s, u, d, impl=IMPL, tiling=t) for s in ss])
@@ -183,7 +189,7 @@ def run_moe(key, sweep, rows, copies=8):
             print(f"  moe {fmt} {t}: err {err:.2e} op {us:.1f} us kernel {k_us} all-kernels {all_us}", flush=True)
             if err < MAX_REL_ERR and (best is None or us < best[1]):
                 best = (t, us, err, k_us)
-        name = f"moe_experts {fmt} T=1 top{TOPK}/{EXPERTS} {HIDDEN}->{FFN}->{HIDDEN}"
+        name = f"moe_experts {fmt} T={tokens} top{TOPK}/{EXPERTS} {HIDDEN}->{FFN}->{HIDDEN}"
         rows.append(row(name, best, floor_bytes, xla_us, extra=f"ragged_dot bf16 all experts {ragged_us:.1f} us"))
         del up, down
 
@@ -240,7 +246,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.md")
-    parser.add_argument("--only", default="", help="comma list: matmul,moe")
+    parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     args = parser.parse_args()
     if args.smoke:
@@ -254,10 +260,12 @@ def main():
     only = set(filter(None, args.only.split(","))) or {"matmul", "moe"}
     if "matmul" in only:
         run_matmuls(key, args.sweep, rows)
-    if "moe" in only:
-        run_moe(key, args.sweep, rows)
+    for tokens in (1, 32):
+        if f"moe{tokens}" in only or "moe" in only:
+            run_moe(key, args.sweep, rows, tokens)
     text = table(rows, device, ceiling)
     print(text)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernels.md"), "w") as f:
         f.write(text + "\n")
     return 0 if all(r["tiling"] != "FAILED" for r in rows) else 1

@@ -112,7 +112,7 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     tk, splits, k_total = _plan(fmt, arr.dtype, k, arr.shape[1] // TN, num_blocks, tiling)
     x, row_exp = _activations(xb, fmt, arr.dtype)
     out = weight_gemm(_pad_axis(x, 2, k_total), arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
-                        stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, interpret=interpret_params(impl))
+                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.
         out = jax.block_until_ready(out)
