@@ -110,7 +110,7 @@ def main() -> int:
     md_path = out_dir / f"decode-{args.layouts.replace(',', '-')}.md"
     device = jax.devices()[0].device_kind
     ceiling = hbm_ceiling_gbs()
-    log(f"device {device} | jax {jax.__version__} | HBM ceiling {ceiling:.0f} GB/s (2 GiB bf16 read+write)")
+    log(f"device {device} | jax {jax.__version__} | HBM ceiling {ceiling:.0f} GB/s (2 GiB bf16: best of a read and an in-place scale)")
     md = [f"device {device}, jax {jax.__version__}, HBM ceiling {ceiling:.0f} GB/s; model {cfg.pattern} "
           f"({cfg.num_layers} layers), bf16, prompt {args.prompt}", ""]
     batches = [int(b) for b in args.batches.split(",")]

@@ -1,5 +1,6 @@
-"""benchmarks/checks.py's per-layer check: every layer kind and the lm_head, for a dense and an NVFP4 model
-(tiny, on the CPU, where both sides run the reference: the errors are bf16 against fp32 rounding)."""
+"""benchmarks/checks.py's per-layer check (every layer kind and the lm_head, for a dense and an NVFP4 model:
+tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding), its
+margin check's perturbation, and the HBM ceiling of benchmarks/common.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import benchmarks.checks as checks
+from benchmarks.common import hbm_ceiling_gbs
 from nemoh.config import NemotronHConfig
 from nemoh.random_params import random_params
 from oracle_configs import QUANTISABLE_WIDTHS
@@ -54,3 +56,7 @@ def test_margin_perturbation_scales_outputs_and_keeps_activation_quantisation(la
     first = lambda w: jax.tree.map(lambda t: t[0], w)  # expert 0
     np.testing.assert_allclose(linear(x, first(perturbed_up), impl="xla"), 1.001 * linear(x, first(up), impl="xla"),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_hbm_ceiling_measures_a_positive_bandwidth():
+    assert 0 < hbm_ceiling_gbs(1 << 16) < float("inf")
