@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/decode.py [--layouts dense,NANO_FP8,NANO_NVFP4,MIXED]
         [--batches 1,8,32,64] [--prompt 128] [--steps 32] [--repeats 4] [--profile-batches 1]
-        [--prefill-shapes 1x2048,8x512] [--no-gate] [--out DIR]
+        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--no-gate] [--out DIR]
 
 Per layout (dense, or a quantiser recipe: NANO_FP8 / NANO_NVFP4 are the official selective layouts):
 1. The token gate of benchmarks/checks.py (fp32, reduced depth, real widths, against transformers).
@@ -11,7 +11,8 @@ Per layout (dense, or a quantiser recipe: NANO_FP8 / NANO_NVFP4 are the official
 4. Per batch: prefill of random prompts (first call = compile + run, second = run), decode warm-up
    (compile), then `repeats` timed decode calls of `steps` steps: median ms per step, tok/s, bytes
    moved per step against the HBM ceiling measured in this run, peak device memory; with
-   --profile-batches, a profiled decode call gives launches per step and the per-layer-kind split.
+   --profile-batches, a profiled decode call gives launches per step and the per-layer-kind split; with
+   --call-overhead, calls of 1 and 64 steps split a call's time into a fixed part and a part per step.
 5. With --prefill-shapes, the prefill legs of benchmarks/prefill.py on the same params, under the same gate.
 Results: decode.jsonl (one JSON object per leg, appended as it completes) and decode-<layouts>.md in --out.
 """
@@ -41,9 +42,31 @@ from nemoh.engine.sampling import Sampling
 from nemoh.gate import default_prompts
 from nemoh.random_params import random_params
 
-def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceiling: float, profile: bool) -> dict:
+OVERHEAD_CALLS = ((1, 5), (64, 3))  # (steps a call, calls) that split a call's time into fixed + per step
+
+
+def call_overhead(params, carry) -> tuple[dict, object]:
+    """Time decode calls of 1 and of 64 steps: a call of n steps takes fixed + n * per_step (host work
+    before and after the launch, and whatever the device does once a call). Returns the fit (ms) and the
+    carry."""
+    medians = {}
+    for n, calls in OVERHEAD_CALLS:
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            carry = decode(params, carry, n)
+            jax.block_until_ready(carry.tokens)
+            times.append(time.perf_counter() - t0)
+        medians[n] = statistics.median(times)
+    (n1, _), (n2, _) = OVERHEAD_CALLS
+    per_step = (medians[n2] - medians[n1]) / (n2 - n1)
+    return {"fixed_ms_per_call": 1e3 * (medians[n1] - n1 * per_step), "ms_per_step": 1e3 * per_step}, carry
+
+
+def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceiling: float, profile: bool,
+               overhead: bool = False) -> dict:
     cfg = params.config
-    max_new = steps * (repeats + 2) + 2
+    max_new = steps * (repeats + 2) + 2 + (sum(n * calls for n, calls in OVERHEAD_CALLS) if overhead else 0)
     prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=batch)]
     run_prefill = lambda: prefill(params, prompts, max_new_tokens=max_new, sampling=Sampling(), stop_ids=(),
                                   seed=0, cache=CacheSpec())
@@ -89,6 +112,9 @@ def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceilin
 
         out["profile"] = profile_breakdown(run, hlo, steps)
         out["kernel_launches_per_step"] = out["profile"]["kernels_per_step"]
+        carry = holder[0]
+    if overhead:
+        out["call_overhead"], carry = call_overhead(params, carry)
     return out
 
 
@@ -103,6 +129,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=4, help="timed decode calls (>= 64 steps in all by default)")
     ap.add_argument("--profile-batches", default="1")
     ap.add_argument("--prefill-shapes", default="", help="prefill legs (prompts x tokens) after the decode legs")
+    ap.add_argument("--call-overhead", action="store_true",
+                    help="also split a decode call's time into a fixed part and a part per step (1- and 64-step calls)")
     add_model_args(ap)
     args = ap.parse_args()
     out_dir, work, cfg, counts = model_setup(args)
@@ -124,7 +152,8 @@ def main() -> int:
         log(f"[{layout}] {check}; formats {describe_layout(params)}")
         for b in batches:
             try:
-                r = time_batch(params, b, args.prompt, args.steps, args.repeats, ceiling, b in profile_batches)
+                r = time_batch(params, b, args.prompt, args.steps, args.repeats, ceiling, b in profile_batches,
+                               args.call_overhead)
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory at a large batch: report, go on
                 log(f"[{layout}] batch {b}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
                 continue
@@ -136,7 +165,9 @@ def main() -> int:
                     f"decode compile {r['decode_compile_s']:.1f} s, prefill compile {r['prefill_compile_s']:.1f} s "
                     f"(first calls {r['first_calls_s']:.1f} s), "
                     f"TTFT {r['ttft_s']:.3f} s, peak {r['peak_device_bytes'] / 2**30 if r['peak_device_bytes'] else 0:.1f} GiB"
-                    f" | {gate_text} | {check}")
+                    + (", a call {fixed_ms_per_call:.2f} ms + {ms_per_step:.3f} ms a step".format(**r["call_overhead"])
+                       if "call_overhead" in r else "")
+                    + f" | {gate_text} | {check}")
             log(line)
             md.append(line)
             if "profile" in r:

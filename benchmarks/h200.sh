@@ -8,6 +8,7 @@
 #   bash benchmarks/h200.sh nvfp4-more  # NANO_NVFP4: gate, decode batches 8,64
 #   bash benchmarks/h200.sh dense     # bf16: gate, decode batches 1,32, prefill of one 2,048-token prompt
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
+#   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
@@ -38,6 +39,12 @@ case "${1:-}" in
   fp8) for layout in NANO_FP8 MIXED; do
          leg 280 benchmarks/decode.py --layouts "$layout" --batches 1,32 --profile-batches "" --steps 32 --repeats 2
        done ;;
+  overhead) # a decode call's fixed cost against its cost per step, with XLA's command buffers (CUDA graphs) and without
+    for flags in "" "--xla_gpu_enable_command_buffer="; do
+      echo "== XLA_FLAGS=$flags"
+      (export XLA_FLAGS="$flags"; leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1 --profile-batches "" \
+         --steps 32 --repeats 2 --call-overhead)
+    done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
@@ -54,5 +61,5 @@ case "${1:-}" in
              | quiet | grep "batch 1:\|sum of kernels\|idle between")
           (cd "$dump" && tar czf "$OUT/thunks-$name.tgz" $(ls | grep "_decode.*\(thunk_sequence\|after_optimizations.txt\)"))
         done ;;
-  *) echo "usage: bash benchmarks/h200.sh nvfp4|nvfp4-more|dense|fp8|kernels|compile|load|idle|tree-id" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200.sh PART (see the top of this file)" >&2; exit 2 ;;
 esac

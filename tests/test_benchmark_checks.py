@@ -60,3 +60,15 @@ def test_margin_perturbation_scales_outputs_and_keeps_activation_quantisation(la
 
 def test_hbm_ceiling_measures_a_positive_bandwidth():
     assert 0 < hbm_ceiling_gbs(1 << 16) < float("inf")
+
+
+def test_decode_leg_reports_its_figures_and_splits_call_time():
+    """benchmarks/decode.py's timing of one batch on a tiny model (CPU figures: only their presence and
+    consistency are checked), with the call-overhead fit."""
+    from benchmarks.decode import time_batch
+
+    r = time_batch(random_params(CONFIG, "NANO_NVFP4"), 2, prompt=5, steps=2, repeats=2, ceiling=1.0, profile=False,
+                   overhead=True)
+    assert r["steps_timed"] == 4 and r["tok_per_s"] > 0 and r["ms_per_token"] == r["ms_per_step"] / 2
+    assert r["decode_compile_s"] > 0 and r["prefill_compile_s"] > 0 and r["weight_bytes_per_token"] > 0
+    assert r["call_overhead"]["ms_per_step"] > 0 and set(r["call_overhead"]) == {"fixed_ms_per_call", "ms_per_step"}
