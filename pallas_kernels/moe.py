@@ -3,7 +3,9 @@
 Token-expert pairs are grouped by expert into blocks of `tm` rows (XLA, tiny; a single token gets one
 block per expert without the sort); each kernel CTA indexes its block's expert from the block->expert
 table, so only the selected experts' weights are ever fetched, in their stored (packed) form: no
-gather of all experts, no dequantised copy, no dense pass over E as jax.lax.ragged_dot does. Decode
+gather of all experts, no dequantised copy, no dense pass over E as jax.lax.ragged_dot does. The
+weighted combine gathers each token's k expert rows and sums them (fp32, in a fixed order): no
+scatter-add, whose float atomics would add in a different order from run to run. Decode
 uses 8-row blocks; prefill, with many tokens per expert, blocks of up to 64 rows, so an expert's
 weights are streamed once per 64 of its tokens (128-row blocks measured slower on the H200: prefill
 MoE is compute-bound there, and wider blocks waste more rows on the last, partly filled block). Two
@@ -46,7 +48,8 @@ def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=N
     ([T] per token or [T, k] per pair, False: left out) get no slot.
 
     Returns (slot_pair int32 [B*tm]: pair index t*k+j in each slot, T*k for an empty slot;
-    block_expert int32 [B]: expert of each block, -1 for unused blocks). B is a static bound.
+    block_expert int32 [B]: expert of each block, -1 for unused blocks; pair_slot int32 [T*k]: the slot
+    of each pair, B*tm for a left-out pair). B is a static bound.
     """
     pairs = expert_idx.size
     e = expert_idx.reshape(pairs).astype(jnp.int32)
@@ -62,9 +65,10 @@ def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=N
     num_blocks = min(num_experts, pairs) + pairs // tm
     slot = jnp.where(e_sorted < num_experts, (block_end - blocks)[e_kept] * tm + rank, num_blocks * tm)
     slot_pair = jnp.full((num_blocks * tm,), pairs, jnp.int32).at[slot].set(order, mode="drop")
+    pair_slot = jnp.zeros((pairs,), jnp.int32).at[order].set(slot)  # order is a permutation
     ids = jnp.arange(num_blocks, dtype=jnp.int32)
     block_expert = jnp.searchsorted(block_end, ids, side="right").astype(jnp.int32)
-    return slot_pair, jnp.where(ids < block_end[-1], block_expert, -1)
+    return slot_pair, jnp.where(ids < block_end[-1], block_expert, -1), pair_slot
 
 
 def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS, valid=None):
@@ -74,11 +78,13 @@ def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS, valid=None):
     slots = jnp.arange(pairs * tm, dtype=jnp.int32)
     slot_pair = jnp.where(slots % tm == 0, slots // tm, pairs)
     block_expert = expert_idx.reshape(pairs).astype(jnp.int32)
+    pair_slot = jnp.arange(pairs, dtype=jnp.int32) * tm
     if valid is not None:  # a left-out pair: its block unused, its slot empty
         kept = _pair_valid(valid, expert_idx)
         block_expert = jnp.where(kept, block_expert, -1)
         slot_pair = jnp.where(kept[slots // tm], slot_pair, pairs)
-    return slot_pair, block_expert
+        pair_slot = jnp.where(kept, pair_slot, pairs * tm)
+    return slot_pair, block_expert, pair_slot
 
 
 def _quantized_blocks(xb, block_expert, w: Weight):
@@ -108,17 +114,17 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     t, k = expert_idx.shape
     if t == 1:
         tm = MOE_BLOCK_ROWS
-        slot_pair, block_expert = pair_blocks(expert_idx, tm, valid)
+        slot_pair, block_expert, pair_slot = pair_blocks(expert_idx, tm, valid)
     else:
         tm = block_rows_for(expert_idx.size, up.shape[0])
-        slot_pair, block_expert = route_blocks(expert_idx, up.shape[0], tm, valid)
-    slot_token = slot_pair // k  # T for empty slots: the zero row appended below
-    xb = jnp.concatenate([x, jnp.zeros_like(x[:1])])[slot_token]
-    xb = xb.reshape(-1, tm, x.shape[1])
+        slot_pair, block_expert, pair_slot = route_blocks(expert_idx, up.shape[0], tm, valid)
+    slot_token = slot_pair // k  # T for empty slots: past the end, they read zero rows
+    xb = x.at[slot_token].get(mode="fill", fill_value=0).reshape(-1, tm, x.shape[1])
     xb, up = _quantized_blocks(xb, block_expert, up)
     h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling), 0.0)).astype(x.dtype)
     h, down = _quantized_blocks(h, block_expert, down)
     o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
-    w = jnp.concatenate([expert_weight.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
-    y = jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[slot_token].add(o * w[slot_pair][:, None])
-    return y[:t].astype(x.dtype)
+    # A left-out pair's slot is past the end: it reads zero. Slots of unused blocks (left unwritten) are never read.
+    rows = o.at[pair_slot].get(mode="fill", fill_value=0.0).reshape(t, k, -1)
+    # elementwise and a sum over k, which XLA fuses (a dot would be a separate GEMM)
+    return (rows * expert_weight.astype(jnp.float32)[:, :, None]).sum(axis=1).astype(x.dtype)

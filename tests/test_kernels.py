@@ -207,11 +207,11 @@ def test_moe_experts_single_token(fmt):
 def test_route_blocks_covers_every_pair_once():
     rng = _rng(4)
     idx = jnp.asarray(rng.integers(0, 7, (9, 4)).astype(np.int32))
-    slot_pair, block_expert = jax.jit(route_blocks, static_argnums=(1, 2))(idx, 7, 8)
-    slot_pair, block_expert = np.asarray(slot_pair), np.asarray(block_expert)
+    slot_pair, block_expert, pair_slot = map(np.asarray, jax.jit(route_blocks, static_argnums=(1, 2))(idx, 7, 8))
     pairs = idx.size
     filled = slot_pair[slot_pair < pairs]
     np.testing.assert_array_equal(np.sort(filled), np.arange(pairs))
+    np.testing.assert_array_equal(slot_pair[pair_slot], np.arange(pairs))  # the inverse map
     flat = np.asarray(idx).reshape(-1)
     for slot in np.nonzero(slot_pair < pairs)[0]:
         assert block_expert[slot // 8] == flat[slot_pair[slot]]
