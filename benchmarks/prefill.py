@@ -5,8 +5,8 @@
 
 Per layout: the token gate and the per-layer check of benchmarks/checks.py, random params at full size
 built on the device, then per shape (prompts x tokens, random prompts): the first prefill call (compile +
-run), then the median of `repeats` calls: prompt tokens per second (real prompt tokens, not padding),
-ms per call, peak device memory. The engine's default chunking is used (nemoh.engine.layout.chunk_width).
+run), untimed calls for a second, then the median of `repeats` calls: prompt tokens per second (real
+prompt tokens, not padding), ms per call, peak device memory. The engine's default chunking is used (nemoh.engine.layout.chunk_width).
 With --profile, one more call is profiled and its kernel time split by layer kind (benchmarks/profile.py).
 Results: prefill.jsonl and prefill-<layouts>.md in --out.
 """
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
-from benchmarks.common import add_model_args, compile_seconds, model_setup, peak_memory_bytes, wall_s
+from benchmarks.common import add_model_args, compile_seconds, model_setup, peak_memory_bytes, wall_s, warm_up
 from benchmarks.profile import breakdown_table, profile_breakdown
 from nemoh.engine.decode import finish_compiling
 from nemoh.engine.kv_pages import CacheSpec
@@ -47,6 +47,7 @@ def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> d
         run()
         first = time.perf_counter() - t0
     finish_compiling()  # the request's decode program, compiling beside prefill: not while timing
+    warm_up(run)
     call_s = statistics.median(wall_s(run, repeats))
     out = {"rows": rows, "tokens": tokens, "prompt_tokens": rows * tokens, "ms_per_call": 1e3 * call_s,
            "tok_per_s": rows * tokens / call_s, "first_call_s": first, "compile_s": compiled["_prefill"],

@@ -72,3 +72,26 @@ def test_decode_leg_reports_its_figures_and_splits_call_time():
     assert r["steps_timed"] == 4 and r["tok_per_s"] > 0 and r["ms_per_token"] == r["ms_per_step"] / 2
     assert r["decode_compile_s"] > 0 and r["prefill_compile_s"] > 0 and r["weight_bytes_per_token"] > 0
     assert r["call_overhead"]["ms_per_step"] > 0 and set(r["call_overhead"]) == {"fixed_ms_per_call", "ms_per_step"}
+
+
+def test_prefill_leg_warms_up_then_times():
+    from benchmarks import prefill as prefill_benchmark
+
+    calls = []
+    real_warm_up = prefill_benchmark.warm_up
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefill_benchmark, "warm_up", lambda fn: calls.append(real_warm_up(fn, seconds=0.0, min_calls=2)))
+        r = prefill_benchmark.time_shape(random_params(CONFIG, "NANO_NVFP4"), 2, 8, repeats=2, profile=False)
+    assert calls == [2]
+    assert r["prompt_tokens"] == 16 and r["tok_per_s"] > 0 and r["compile_s"] >= 0  # 0: compiled by another test
+
+
+def test_warm_up_runs_for_its_time_and_at_least_its_calls():
+    import time
+
+    from benchmarks.common import warm_up
+
+    assert warm_up(lambda: None, seconds=0.0, min_calls=3) == 3
+    t0 = time.perf_counter()
+    assert warm_up(lambda: time.sleep(0.01), seconds=0.05) >= 4
+    assert time.perf_counter() - t0 >= 0.05
