@@ -32,7 +32,7 @@ import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import (add_model_args, bytes_per_step, compile_seconds, describe_layout, hbm_ceiling_gbs,
-                               model_setup, peak_memory_bytes)
+                               model_setup, peak_memory_bytes, wall_s)
 from benchmarks.prefill import parse_shapes, prefill_legs
 from benchmarks.profile import breakdown_table, profile_breakdown
 from nemoh.engine.decode import _decode, decode
@@ -49,15 +49,14 @@ def call_overhead(params, carry) -> tuple[dict, object]:
     """Time decode calls of 1 and of 64 steps: a call of n steps takes fixed + n * per_step (host work
     before and after the launch, and whatever the device does once a call). Returns the fit (ms) and the
     carry."""
-    medians = {}
+    holder, medians = [carry], {}
     for n, calls in OVERHEAD_CALLS:
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            carry = decode(params, carry, n)
-            jax.block_until_ready(carry.tokens)
-            times.append(time.perf_counter() - t0)
-        medians[n] = statistics.median(times)
+        def run(n=n):
+            holder[0] = decode(params, holder[0], n)
+            jax.block_until_ready(holder[0].tokens)
+
+        medians[n] = statistics.median(wall_s(run, calls))
+    carry = holder[0]
     (n1, _), (n2, _) = OVERHEAD_CALLS
     per_step = (medians[n2] - medians[n1]) / (n2 - n1)
     return {"fixed_ms_per_call": 1e3 * (medians[n1] - n1 * per_step), "ms_per_step": 1e3 * per_step}, carry
@@ -138,7 +137,8 @@ def main() -> int:
     md_path = out_dir / f"decode-{args.layouts.replace(',', '-')}.md"
     device = jax.devices()[0].device_kind
     ceiling = hbm_ceiling_gbs()
-    log(f"device {device} | jax {jax.__version__} | HBM ceiling {ceiling:.0f} GB/s (2 GiB bf16: best of a read and an in-place scale)")
+    log(f"device {device} | jax {jax.__version__} | HBM ceiling {ceiling:.0f} GB/s "
+        "(2 GiB bf16: best of a read and an in-place scale)")
     md = [f"device {device}, jax {jax.__version__}, HBM ceiling {ceiling:.0f} GB/s; model {cfg.pattern} "
           f"({cfg.num_layers} layers), bf16, prompt {args.prompt}", ""]
     batches = [int(b) for b in args.batches.split(",")]

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import hbm_ceiling_gbs
-from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts, reference
-from pallas_kernels._blocked import Tiling
+from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, is_quantized, linear, moe_experts, reference
+from pallas_kernels._blocked import Tiling, default_tk
 
 HIDDEN, IN_PROJ, EXPERTS, TOPK, FFN = 2688, 10304, 128, 6, 1856
 IMPL = "pallas"
@@ -49,6 +49,13 @@ def rand_fp8(key, lead, n, k):
 
 def rand_dense(key, lead, n, k):
     return (0.05 * jax.random.normal(key, (*lead, n, k), jnp.float32)).astype(jnp.bfloat16)
+
+
+def stream_tk(w):
+    """The kernel's default K step for weight w (what a Tiling with tk=None uses)."""
+    if is_quantized(w):
+        return default_tk(type(w), w.stream()[0].dtype)
+    return default_tk(None, w.dtype)
 
 
 def nbytes(tree):
@@ -108,10 +115,9 @@ def matmul_cases(key, sweep):
         ws = [mk(k, (), IN_PROJ, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, len(cases)), copies)]
         for m in (1, 512) if fmt != "bf16" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
-            tk0 = 64 if fmt == "nvfp4" else 128 // (2 if fmt == "bf16" else 1)
             tilings = [Tiling()]
             if sweep and m == 1:
-                tilings += [Tiling(ptx=False), Tiling(stages=2), Tiling(tk=2 * tk0), Tiling(ctas_per_sm=8)]
+                tilings += [Tiling(ptx=False), Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])), Tiling(ctas_per_sm=8)]
             elif sweep:
                 tilings += [Tiling(ptx=False)]
             cases.append((f"{fmt} linear M={m} {HIDDEN}->{IN_PROJ}", x, ws if m == 1 else ws[:3], op,
@@ -166,9 +172,8 @@ def run_moe(key, sweep, rows, tokens):
         ref = reference.moe_experts(x, *sel[0], up, down)
         xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
         print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
-        tk0 = 64 if fmt == "nvfp4" else 128 // (2 if fmt == "dense" else 1)
         tilings = [Tiling()] + ([Tiling(ptx=False), Tiling(ctas_per_sm=8), Tiling(stages=2), Tiling(stages=6),
-                                 Tiling(tk=2 * tk0)] if sweep else [])
+                                 Tiling(tk=2 * stream_tk(up))] if sweep else [])
         best = None
         for t in tilings:
             fn = jax.jit(lambda x, ss, u, d, t=t: [moe_experts(x, *s, u, d, impl=IMPL, tiling=t) for s in ss])
@@ -224,7 +229,8 @@ def run_matmuls(key, sweep, rows):
 
 
 def table(rows, device, ceiling):
-    lines = [f"device: {device}; HBM ceiling (2 GiB bf16: best of a read and an in-place scale): {ceiling:.0f} GB/s", "",
+    lines = [f"device: {device}; HBM ceiling (2 GiB bf16: best of a read and an in-place scale): "
+             f"{ceiling:.0f} GB/s", "",
              "| case | max rel err | op time (us) | kernel time (us) | GB/s (op) | XLA impl (us) | XLA GB/s | notes | tiling |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:

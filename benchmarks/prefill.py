@@ -6,7 +6,8 @@
 Per layout: the token gate and the per-layer check of benchmarks/checks.py, random params at full size
 built on the device, then per shape (prompts x tokens, random prompts): the first prefill call (compile +
 run), untimed calls for a second, then the median of `repeats` calls: prompt tokens per second (real
-prompt tokens, not padding), ms per call, peak device memory. The engine's default chunking is used (nemoh.engine.layout.chunk_width).
+prompt tokens, not padding), ms per call, peak device memory. The engine's default chunking is used
+(nemoh.engine.layout.chunk_width).
 With --profile, one more call is profiled and its kernel time split by layer kind (benchmarks/profile.py).
 Results: prefill.jsonl and prefill-<layouts>.md in --out.
 """

@@ -87,10 +87,16 @@ def _activations(xb, fmt, w_dtype):
     return jnp.ldexp(xf, -row_exp[..., None]).astype(jnp.float16), row_exp
 
 
+def default_tk(fmt, w_dtype) -> int:
+    """Streamed weight elements per K step where the tiling leaves tk None: 64 for formats with block
+    scales (NVFP4's packed bytes), else 128 bytes' worth of w_dtype."""
+    return 64 if getattr(fmt, "BYTES_PER_SCALE_ROW", None) else 128 // jnp.dtype(w_dtype).itemsize
+
+
 def _plan(fmt, w_dtype, k: int, n_tiles: int, num_blocks: int, tiling: Tiling):
     """(tk, splits, padded K) for one call: K steps of tk streamed elements, split so ~ctas_per_sm CTAs
     per SM share the weight stream."""
-    tk = tiling.tk or (64 if getattr(fmt, "BYTES_PER_SCALE_ROW", None) else 128 // jnp.dtype(w_dtype).itemsize)
+    tk = tiling.tk or default_tk(fmt, w_dtype)
     per = fmt.K_PER_ELEMENT if fmt else 1
     if fmt is None:  # swizzled W tiles: tk must divide K (K % 16 == 0 always allows 32 bytes)
         while k % tk:
