@@ -12,6 +12,9 @@
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
+#   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
+#                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
+#                                     # this tree with XLA's CUDA graphs also covering conditionals (the sampling cond)
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
 #   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
 #                                     # 13-layer batch-1 decode, this tree and one extracted to _old
@@ -46,6 +49,14 @@ case "${1:-}" in
          --steps 32 --repeats 2 --call-overhead)
     done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
+  compare) # same card, same protocol: the baseline tree, then this one with conditionals in the CUDA graphs
+    [ -d _old/nemoh ] && (cd _old && echo "== _old tree $(tree_id)" && \
+      OUT="$OUT/old" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
+        --steps 32 --repeats 2 --no-gate)
+    echo "== this tree, XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL"
+    (export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL"; OUT="$OUT/conditional" \
+      leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \
+        --no-gate) ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode

@@ -67,7 +67,9 @@ def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=N
     slot_pair = jnp.full((num_blocks * tm,), pairs, jnp.int32).at[slot].set(order, mode="drop")
     pair_slot = jnp.zeros((pairs,), jnp.int32).at[order].set(slot)  # order is a permutation
     ids = jnp.arange(num_blocks, dtype=jnp.int32)
-    block_expert = jnp.searchsorted(block_end, ids, side="right").astype(jnp.int32)
+    # compare_all: one fused [B, E] comparison; the default binary search is a while loop, which on the GPU
+    # splits the decode step's CUDA graph and runs its iterations one by one
+    block_expert = jnp.searchsorted(block_end, ids, side="right", method="compare_all").astype(jnp.int32)
     return slot_pair, jnp.where(ids < block_end[-1], block_expert, -1), pair_slot
 
 

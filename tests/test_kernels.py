@@ -19,6 +19,7 @@ import dataclasses
 import os
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,10 +81,9 @@ def test_decode_helpers_exact():
     np.testing.assert_array_equal(np.asarray(hi, np.float32), E2M1_VALUES[codes >> 4] * E2M1_UNIT)
     f8 = jnp.asarray(codes).view(jnp.float8_e4m3fn)
     np.testing.assert_array_equal(np.asarray(f8.astype(jnp.float16), np.float32), np.asarray(f8, np.float32))
-    # every decoded e2m1 times every (e4m3 block scale / E2M1_UNIT) is exact in float16
-    scale16 = f8.astype(jnp.float16) * jnp.float16(1 / E2M1_UNIT)
-    got = np.asarray(lo[:16, None] * scale16[None, :], np.float32)
-    want = E2M1_VALUES[:16, None] * np.asarray(f8, np.float32)[None, :]
+    # every decoded e2m1 (times E2M1_UNIT) times every e4m3 block scale is exact in float16
+    got = np.asarray(lo[:16, None] * f8.astype(jnp.float16)[None, :], np.float32)
+    want = E2M1_VALUES[:16, None] * np.asarray(f8, np.float32)[None, :] * E2M1_UNIT
     finite = np.isfinite(want)
     np.testing.assert_array_equal(got[finite], want[finite])
 
@@ -233,6 +233,30 @@ def test_kernels_lower_for_the_gpu(fmt):
         idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
         export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas")), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
+
+
+def test_moe_experts_many_tokens_have_no_loop():
+    """The routed-experts op for a batch of tokens (expert blocks built by route_blocks) traces to no
+    while loop: inside the decode step a loop splits the step's CUDA graph and runs its iterations one
+    by one (the binary search of jnp.searchsorted's default method was one)."""
+    rng = _rng(9)
+    up, down = WEIGHTS["nvfp4"](rng, (8,), 64, 128), WEIGHTS["nvfp4"](rng, (8,), 128, 64)
+    idx = jnp.asarray(rng.integers(0, 8, (32, 2)).astype(np.int32))
+    args = (_x(rng, (32, 128), jnp.bfloat16), idx, jnp.ones((32, 2), jnp.float32), up, down)
+    jaxpr = jax.make_jaxpr(lambda *a: moe_experts(*a, impl="pallas"))(*args)
+
+    kernel_calls = {"pallas_call", "mpmd_map"}  # how plgpu.kernel appears; loops inside a kernel are fine
+
+    def primitives(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            if eqn.primitive.name not in kernel_calls:
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    yield from primitives(sub)
+
+    names = set(primitives(jaxpr.jaxpr))
+    assert names & kernel_calls and "wgmma_wait" not in names, names  # the kernels are there, not entered
+    assert not names & {"while", "scan"}, sorted(names)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "dense"])
