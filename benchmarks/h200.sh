@@ -52,11 +52,11 @@ case "${1:-}" in
   compare) # same card, same protocol: the baseline tree, then this one with conditionals in the CUDA graphs
     [ -d _old/nemoh ] && (cd _old && echo "== _old tree $(tree_id)" && \
       OUT="$OUT/old" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
-        --steps 32 --repeats 2 --no-gate)
+        --steps 32 --repeats 2 --no-gate --call-overhead)
     echo "== this tree, XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL"
     (export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL"; OUT="$OUT/conditional" \
       leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \
-        --no-gate) ;;
+        --no-gate --call-overhead) ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
