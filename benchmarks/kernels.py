@@ -106,11 +106,15 @@ def rotated(op, copies):
     return jax.jit(lambda x, ws: [op(x, w) for w in ws[:copies]])
 
 
-def matmul_cases(key, sweep):
+FORMATS = {"nvfp4": rand_nvfp4, "fp8": rand_fp8, "bf16": rand_dense}
+
+
+def matmul_cases(key, sweep, formats):
     """(name, x, weights list, op(x, w, tiling), xla op, bytes per weight, tilings)."""
     cases = []
     op = lambda x, w, t: linear(x, w, impl=IMPL, tiling=t)
-    for fmt, mk in (("nvfp4", rand_nvfp4), ("fp8", rand_fp8), ("bf16", rand_dense)):
+    for fmt in formats:
+        mk = FORMATS[fmt]
         copies = {"nvfp4": 8, "fp8": 5, "bf16": 3}[fmt]
         ws = [mk(k, (), IN_PROJ, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, len(cases)), copies)]
         for m in (1, 512) if fmt != "bf16" else (1,):
@@ -141,7 +145,7 @@ def moe_case_inputs(key, copies, tokens):
     return x, sel
 
 
-def run_moe(key, sweep, rows, tokens):
+def run_moe(key, sweep, rows, tokens, formats):
     """moe_experts for `tokens` tokens (1: batch-1 decode; 32: a batch-32 step, which touches most experts)
     against ragged_dot and the XLA reference, per weight format."""
     copies = 8 if tokens == 1 else 4
@@ -165,7 +169,8 @@ def run_moe(key, sweep, rows, tokens):
     print(f"  ragged_dot bf16 over all {EXPERTS} experts: {ragged_us:.1f} us", flush=True)
     del ragged_up, ragged_down
     xla_fn = jax.jit(lambda x, ss, u, d: [reference.moe_experts(x, *s, u, d) for s in ss])
-    for fmt, mk in (("dense", rand_dense), ("fp8", rand_fp8), ("nvfp4", rand_nvfp4)):
+    for fmt in formats:
+        mk = FORMATS[fmt]
         ku, kd = jax.random.split(jax.random.fold_in(key, len(fmt)))
         up, down = mk(ku, (EXPERTS,), FFN, HIDDEN), mk(kd, (EXPERTS,), HIDDEN, FFN)
         floor_bytes = len(set(sel[0][0].reshape(-1).tolist())) * (nbytes(up) + nbytes(down)) / EXPERTS
@@ -203,8 +208,8 @@ def row(name, best, weight_bytes, xla_us, extra=""):
                 xla_us=xla_us, xla_gbs=weight_bytes / (xla_us * 1e3), extra=extra, bytes=weight_bytes)
 
 
-def run_matmuls(key, sweep, rows):
-    for name, x, ws, op, xla, wbytes, tilings in matmul_cases(key, sweep):
+def run_matmuls(key, sweep, rows, formats):
+    for name, x, ws, op, xla, wbytes, tilings in matmul_cases(key, sweep, formats):
         copies = len(ws)
         ref = ref_matmul(x, ws[0])
         xla_us = wall_us(rotated(xla, copies), (x, ws), 20) / copies
@@ -247,6 +252,7 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.md")
     parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32")
+    parser.add_argument("--formats", default="bf16,fp8,nvfp4", help="comma list of weight formats")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     args = parser.parse_args()
     if args.smoke:
@@ -258,11 +264,12 @@ def main():
     print(f"HBM ceiling {ceiling:.0f} GB/s", flush=True)
     key, rows = jax.random.key(0), []
     only = set(filter(None, args.only.split(","))) or {"matmul", "moe"}
+    formats = [f for f in FORMATS if f in args.formats.split(",")]
     if "matmul" in only:
-        run_matmuls(key, args.sweep, rows)
+        run_matmuls(key, args.sweep, rows, formats)
     for tokens in (1, 32):
         if f"moe{tokens}" in only or "moe" in only:
-            run_moe(key, args.sweep, rows, tokens)
+            run_moe(key, args.sweep, rows, tokens, formats)
     text = table(rows, device, ceiling)
     print(text)
     os.makedirs(args.out, exist_ok=True)
