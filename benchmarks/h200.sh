@@ -50,9 +50,13 @@ case "${1:-}" in
     done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   compare) # same card, same protocol: the baseline tree, then this one with conditionals in the CUDA graphs
-    [ -d _old/nemoh ] && (cd _old && echo "== _old tree $(tree_id)" && \
-      OUT="$OUT/old" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
-        --steps 32 --repeats 2 --no-gate --call-overhead)
+    if [ -d _old/nemoh ]; then
+      (cd _old && echo "== _old tree $(tree_id)" && \
+        OUT="$OUT/old" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
+          --steps 32 --repeats 2 --no-gate --call-overhead)
+    else
+      echo "== no baseline: _old/nemoh is missing (see the top of this file)"
+    fi
     echo "== this tree, XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL"
     (export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL"; OUT="$OUT/conditional" \
       leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \

@@ -264,7 +264,10 @@ def main():
     print(f"HBM ceiling {ceiling:.0f} GB/s", flush=True)
     key, rows = jax.random.key(0), []
     only = set(filter(None, args.only.split(","))) or {"matmul", "moe"}
-    formats = [f for f in FORMATS if f in args.formats.split(",")]
+    asked = set(filter(None, args.formats.split(",")))
+    if asked - set(FORMATS):
+        parser.error(f"--formats: unknown {sorted(asked - set(FORMATS))}; choose from {list(FORMATS)}")
+    formats = [f for f in FORMATS if f in asked]
     if "matmul" in only:
         run_matmuls(key, args.sweep, rows, formats)
     for tokens in (1, 32):
