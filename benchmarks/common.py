@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -86,6 +87,23 @@ def warm_up(fn, seconds: float = 1.0, min_calls: int = 2) -> int:
         fn()
         calls += 1
     return calls
+
+
+def parse_tilings(spec: str) -> list:
+    """Kernel tilings from "tk=128,ctas_per_sm=8;stages=2" (';' between tilings, Tiling's field names)."""
+    from pallas_kernels._blocked import Tiling
+
+    fields = {f.name: f.type for f in dataclasses.fields(Tiling)}
+    tilings = []
+    for part in filter(None, spec.split(";")):
+        kw = {}
+        for item in part.split(","):
+            name, _, value = item.partition("=")
+            if name not in fields or not value:
+                raise ValueError(f"bad tiling item {item!r} in {spec!r}; fields: {sorted(fields)}")
+            kw[name] = value.lower() in ("1", "true") if "bool" in str(fields[name]) else int(value)
+        tilings.append(Tiling(**kw))
+    return tilings
 
 
 def hbm_ceiling_gbs(elements: int = 1 << 30) -> float:

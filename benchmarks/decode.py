@@ -32,7 +32,7 @@ import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import (add_model_args, bytes_per_step, compile_seconds, describe_layout, hbm_ceiling_gbs,
-                               model_setup, peak_memory_bytes, wall_s)
+                               model_setup, parse_tilings, peak_memory_bytes, wall_s)
 from benchmarks.prefill import parse_shapes, prefill_legs
 from benchmarks.profile import breakdown_table, profile_breakdown
 from nemoh.engine.decode import _decode, decode
@@ -41,6 +41,7 @@ from nemoh.engine.prefill import prefill
 from nemoh.engine.sampling import Sampling
 from nemoh.gate import default_prompts
 from nemoh.random_params import random_params
+from pallas_kernels import _blocked
 
 OVERHEAD_CALLS = ((1, 5), (64, 3))  # (steps a call, calls) that split a call's time into fixed + per step
 
@@ -130,8 +131,12 @@ def main() -> int:
     ap.add_argument("--prefill-shapes", default="", help="prefill legs (prompts x tokens) after the decode legs")
     ap.add_argument("--call-overhead", action="store_true",
                     help="also split a decode call's time into a fixed part and a part per step (1- and 64-step calls)")
+    ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "tk=128,ctas_per_sm=8" '
+                    "(default: each op's own choice)")
     add_model_args(ap)
     args = ap.parse_args()
+    if args.tiling:
+        (_blocked.DEFAULT_TILING,) = parse_tilings(args.tiling)
     out_dir, work, cfg, counts = model_setup(args)
     jsonl = out_dir / "decode.jsonl"
     md_path = out_dir / f"decode-{args.layouts.replace(',', '-')}.md"

@@ -11,6 +11,7 @@ median over reps of wall time / R after warm-up ("op": everything the op launche
 works, the Mosaic kernel's own device time ("kernel"). GB/s = bytes of weights the op must read / time.
 Errors are max |y - ref| / max |ref| against a float32 (HIGHEST) dequantise-then-dot reference.
 --sweep also times alternative tilings of each kernel; the table uses the fastest correct one.
+--tilings "tk=128;ctas_per_sm=8,stages=2" times the default tiling and the ones named instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import hbm_ceiling_gbs
+from benchmarks.common import hbm_ceiling_gbs, parse_tilings
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, is_quantized, linear, moe_experts, reference
 from pallas_kernels._blocked import Tiling, default_tk
 
@@ -52,10 +53,10 @@ def rand_dense(key, lead, n, k):
 
 
 def stream_tk(w):
-    """The kernel's default K step for weight w (what a Tiling with tk=None uses)."""
+    """The kernel's default K step for weight w at decode-size blocks (what a Tiling with tk=None uses)."""
     if is_quantized(w):
-        return default_tk(type(w), w.stream()[0].dtype)
-    return default_tk(None, w.dtype)
+        return default_tk(w.stream()[0].dtype, type(w).K_PER_ELEMENT, 8)
+    return default_tk(w.dtype, 1, 8)
 
 
 def nbytes(tree):
@@ -109,6 +110,9 @@ def rotated(op, copies):
 FORMATS = {"nvfp4": rand_nvfp4, "fp8": rand_fp8, "bf16": rand_dense}
 
 
+EXTRA_TILINGS: list = []  # --tilings: what every case times besides the default (instead of the built-in sweep)
+
+
 def matmul_cases(key, sweep, formats):
     """(name, x, weights list, op(x, w, tiling), xla op, bytes per weight, tilings)."""
     cases = []
@@ -120,7 +124,9 @@ def matmul_cases(key, sweep, formats):
         for m in (1, 512) if fmt != "bf16" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
             tilings = [Tiling()]
-            if sweep and m == 1:
+            if EXTRA_TILINGS:
+                tilings += EXTRA_TILINGS
+            elif sweep and m == 1:
                 tilings += [Tiling(ptx=False), Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])), Tiling(ctas_per_sm=8)]
             elif sweep:
                 tilings += [Tiling(ptx=False)]
@@ -177,8 +183,8 @@ def run_moe(key, sweep, rows, tokens, formats):
         ref = reference.moe_experts(x, *sel[0], up, down)
         xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
         print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
-        tilings = [Tiling()] + ([Tiling(ptx=False), Tiling(ctas_per_sm=8), Tiling(stages=2), Tiling(stages=6),
-                                 Tiling(tk=2 * stream_tk(up))] if sweep else [])
+        tilings = [Tiling()] + (EXTRA_TILINGS or [Tiling(ptx=False), Tiling(ctas_per_sm=8), Tiling(stages=2),
+                                                  Tiling(stages=6), Tiling(tk=2 * stream_tk(up))] if sweep else [])
         best = None
         for t in tilings:
             fn = jax.jit(lambda x, ss, u, d, t=t: [moe_experts(x, *s, u, d, impl=IMPL, tiling=t) for s in ss])
@@ -253,11 +259,14 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.md")
     parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32")
     parser.add_argument("--formats", default="bf16,fp8,nvfp4", help="comma list of weight formats")
+    parser.add_argument("--tilings", default="", help='tilings to time besides the default, e.g. "tk=128;ctas_per_sm=8"')
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     args = parser.parse_args()
     if args.smoke:
         global HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS
         HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS = 128, 128, 8, 64, "interpret", 1 << 20
+    EXTRA_TILINGS[:] = parse_tilings(args.tilings)
+    args.sweep = args.sweep or bool(EXTRA_TILINGS)
     device = jax.devices()[0].device_kind
     print("device:", device, "| jax", jax.__version__, flush=True)
     ceiling = hbm_ceiling_gbs(CEILING_ELEMS)

@@ -1,6 +1,6 @@
 """benchmarks/checks.py's per-layer check (every layer kind and the lm_head, for a dense and an NVFP4 model:
 tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding), its
-margin check's perturbation, and the HBM ceiling of benchmarks/common.py."""
+margin check's perturbation, and the HBM ceiling and tiling parser of benchmarks/common.py."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import benchmarks.checks as checks
-from benchmarks.common import hbm_ceiling_gbs
+from benchmarks.common import hbm_ceiling_gbs, parse_tilings
 from nemoh.config import NemotronHConfig
 from nemoh.random_params import random_params
 from oracle_configs import QUANTISABLE_WIDTHS
 from pallas_kernels import linear
+from pallas_kernels._blocked import Tiling
 
 CONFIG = NemotronHConfig.from_dict({**QUANTISABLE_WIDTHS, "hybrid_override_pattern": "ME*M-", "intermediate_size": 32})
 
@@ -95,3 +96,13 @@ def test_warm_up_runs_for_its_time_and_at_least_its_calls():
     t0 = time.perf_counter()
     assert warm_up(lambda: time.sleep(0.01), seconds=0.05) >= 4
     assert time.perf_counter() - t0 >= 0.05
+
+
+def test_tiling_specs_parse_to_tilings_and_bad_names_are_refused():
+    assert parse_tilings("tk=128,ctas_per_sm=8;stages=2,ptx=false") == [Tiling(tk=128, ctas_per_sm=8),
+                                                                       Tiling(stages=2, ptx=False)]
+    assert parse_tilings("") == []
+    with pytest.raises(ValueError, match="tiles"):
+        parse_tilings("tiles=4")
+    with pytest.raises(ValueError, match="tk="):
+        parse_tilings("tk=")
