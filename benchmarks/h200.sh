@@ -15,6 +15,8 @@
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree with XLA's CUDA graphs also covering conditionals (the sampling cond)
+#   bash benchmarks/h200.sh variants  # NANO_NVFP4 decode batches 1,32, ungated, one process each: as it is, with
+#                                     # XLA's CUDA graphs also covering conditionals, with 8 CTAs per SM
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
 #   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
 #                                     # 13-layer batch-1 decode, this tree and one extracted to _old
@@ -61,6 +63,15 @@ case "${1:-}" in
     (export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL"; OUT="$OUT/conditional" \
       leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \
         --no-gate --call-overhead) ;;
+  variants) # same card, same protocol: candidate settings against the code as it is
+    for variant in default conditional ctas8; do
+      flags=""; tiling=""
+      [ $variant = conditional ] && flags="--xla_gpu_enable_command_buffer=+CONDITIONAL"
+      [ $variant = ctas8 ] && tiling="ctas_per_sm=8"
+      echo "== $variant"
+      (export XLA_FLAGS="$flags"; OUT="$OUT/$variant" leg 100 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 \
+         --profile-batches "" --steps 32 --repeats 2 --no-gate ${tiling:+--tiling $tiling} | grep "^\[")
+    done ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
