@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/compile.py [--layout NANO_NVFP4] [--variants default,autotune0]
         [--prompt 128] [--steps 32] [--pattern P] [--dims JSON] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/compile.py --lower-only 1,32   # any machine, the CPU too
 
 Each variant runs in a fresh process (XLA reads its flags once) with the persistent compilation cache
 off. Per variant: trace + lowering and XLA compile seconds of each program, timed separately; the host
@@ -11,6 +12,11 @@ program and how many of them are distinct; then decode ms per step with that pro
 calls of --steps steps; ungated: a flag that only changes compile choices keeps the numerics, and the
 gated legs of benchmarks/decode.py measure whatever becomes the default).
 Results: compile.jsonl in --out, one line per variant.
+
+--lower-only BATCHES runs on any machine, a CPU one included: for each batch size, the seconds to trace
+and to lower the decode program for the GPU ("cuda", with the Pallas kernels; abstract params, so no
+weights are built), which is the Python part of its compile (Mosaic GPU lowers each distinct kernel in
+Python), and the Mosaic kernels in the lowered module.
 """
 
 from __future__ import annotations
@@ -62,6 +68,48 @@ def host_events(trace_dir: str, top: int = 30) -> list[dict]:
                     totals[ev.name] += ev.duration_ns / 1e9
                     counts[ev.name] += 1
     return [{"event": name, "s": round(s, 3), "count": counts[name]} for name, s in totals.most_common(top)]
+
+
+def lowering(layout: str, batches: list[int], prompt: int, pattern: str, dims: str) -> list[dict]:
+    """Per batch size: seconds to trace and to lower the decode program for the GPU, in this process,
+    whatever its backend; params are abstract (jax.eval_shape) but for the embedding, whose device the
+    request planning reads."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.common import nano_config
+    from nemoh.engine.decode import _decode
+    from nemoh.engine.kv_pages import CacheSpec
+    from nemoh.engine.prefill import _prefill, prefill_program
+    from nemoh.engine.sampling import Sampling
+    from nemoh.gate import default_prompts
+    from nemoh.random_params import random_params
+    from pallas_kernels import default_impl
+
+    cfg = nano_config(pattern, dims=Path(dims))
+    params = jax.eval_shape(lambda: random_params(cfg, layout, dtype=jnp.bfloat16))
+    params = dataclasses.replace(params, embed=jnp.zeros(params.embed.shape, params.embed.dtype))
+    out = []
+    for batch in batches:
+        prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=1)]
+        p, x, static = prefill_program(params, prompts, max_new_tokens=prompt + 2, sampling=Sampling(),
+                                       stop_ids=(), seed=0, cache=CacheSpec(), prefill_chunk=None, mesh=None,
+                                       rules=None)
+        with default_impl("pallas"):
+            carry = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                                 _prefill.trace(p, x, **static).out_info)
+            jax.clear_caches()  # nothing of an earlier batch's lowering is reused
+            t0 = time.perf_counter()
+            traced = _decode.trace(p, carry, np.int32(1))
+            t1 = time.perf_counter()
+            module = traced.lower(lowering_platforms=("cuda",)).as_text()
+            t2 = time.perf_counter()
+        out.append({"batch": batch, "trace_s": t1 - t0, "lower_s": t2 - t1,
+                    "mosaic_kernels": module.count("@mosaic_gpu")})
+    return out
 
 
 def measure(layout: str, prompt: int, steps: int, pattern: str, dims: str) -> dict:
@@ -124,8 +172,16 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--pattern", default=NANO_PATTERN, help="layer pattern (default: Nano's 52)")
     ap.add_argument("--dims", default=str(NANO_DIMS), help="config.json fields giving the widths (default: Nano's)")
+    ap.add_argument("--lower-only", default="", metavar="BATCHES",
+                    help="only trace and lower the decode program for the GPU at these batch sizes (any machine)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.lower_only:
+        for r in lowering(args.layout, [int(b) for b in args.lower_only.split(",")], args.prompt, args.pattern,
+                          args.dims):
+            print(f"{args.layout} batch {r['batch']}: decode trace {r['trace_s']:.2f} s, lower for the GPU "
+                  f"{r['lower_s']:.2f} s, {r['mosaic_kernels']} Mosaic kernels in the module", flush=True)
+        return 0
     if args.child:
         print(json.dumps(measure(args.layout, args.prompt, args.steps, args.pattern, args.dims)))
         return 0

@@ -53,10 +53,11 @@ def rand_dense(key, lead, n, k):
 
 
 def stream_tk(w):
-    """The kernel's default K step for weight w at decode-size blocks (what a Tiling with tk=None uses)."""
+    """The kernel's default K step for weight w at decode-size blocks of a grid that fills the GPU (the
+    experts of a batch-32 step; what a Tiling with tk=None uses there)."""
     if is_quantized(w):
-        return default_tk(w.stream()[0].dtype, type(w).K_PER_ELEMENT, 8)
-    return default_tk(w.dtype, 1, 8)
+        return default_tk(w.stream()[0].dtype, type(w).K_PER_ELEMENT, 8, True)
+    return default_tk(w.dtype, 1, 8, True)
 
 
 def nbytes(tree):

@@ -87,25 +87,27 @@ def _activations(xb, fmt, w_dtype):
     return jnp.ldexp(xf, -row_exp[..., None]).astype(jnp.float16), row_exp
 
 
-def default_tk(w_dtype, k_per_element: int, tm: int) -> int:
-    """Streamed weight elements per K step where the tiling leaves tk None: 128 bytes of w_dtype, but 64
-    for packed NVFP4 at blocks of more than 32 rows (prefill). Measured on an H100 against 64 bytes
-    everywhere: NVFP4 experts at 32 decode tokens (8-row blocks) ran 17% faster, batch-32 decode 8%, while
-    a 2,048-token prefill (64-row expert blocks) ran 3% slower."""
+def default_tk(w_dtype, k_per_element: int, tm: int, grid_fills_gpu: bool) -> int:
+    """Streamed weight elements per K step where the tiling leaves tk None: 128 bytes of w_dtype; packed
+    NVFP4 64 bytes, but 128 for decode-size blocks (tm <= 32) whose grid already fills the GPU, so that
+    each CTA runs the whole K loop. Measured on an H100: NVFP4 experts at 32 decode tokens ran 17% faster
+    with 128 bytes (batch-32 decode 8%); at 1 token (split-K) and in GEMVs no faster; a 2,048-token
+    prefill 3% slower. A 128-byte NVFP4 step doubles the kernel's unrolled decode, which Mosaic lowers
+    in ~0.6 s instead of ~0.3 s: hence only where it pays."""
     tk = 128 // jnp.dtype(w_dtype).itemsize
-    return tk // 2 if k_per_element > 1 and tm > 32 else tk
+    return tk if k_per_element == 1 or (tm <= 32 and grid_fills_gpu) else tk // 2
 
 
 def _plan(fmt, w_dtype, k: int, tm: int, n_tiles: int, num_blocks: int, tiling: Tiling):
     """(tk, splits, padded K) for one call: K steps of tk streamed elements, split so ~ctas_per_sm CTAs
     per SM share the weight stream."""
     per = fmt.K_PER_ELEMENT if fmt else 1
-    tk = tiling.tk or default_tk(w_dtype, per, tm)
+    target = tiling.ctas_per_sm * num_sms()
+    tk = tiling.tk or default_tk(w_dtype, per, tm, n_tiles * num_blocks >= target)
     if fmt is None:  # swizzled W tiles: tk must divide K (K % 16 == 0 always allows 32 bytes)
         while k % tk:
             tk //= 2
     steps_total = -(-k // (tk * per))
-    target = tiling.ctas_per_sm * num_sms()
     splits = max(1, min(steps_total, -(-target // (n_tiles * num_blocks))))
     steps = -(-steps_total // splits)
     splits = -(-steps_total // steps)

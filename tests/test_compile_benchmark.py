@@ -1,5 +1,6 @@
-"""benchmarks/compile.py: the Mosaic kernel count of a program's HLO and one in-process measurement of
-both programs' compile (a tiny model on the CPU: seconds, host events, a timed decode)."""
+"""benchmarks/compile.py: the Mosaic kernel count of a program's HLO, one in-process measurement of
+both programs' compile (a tiny model on the CPU: seconds, host events, a timed decode), and the decode
+program lowered for the GPU on the CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import jax
 
-from benchmarks.compile import measure, mosaic_calls
+from benchmarks.compile import lowering, measure, mosaic_calls
 from nemoh.compile_cache import set_compilation_cache
 from oracle_configs import QUANTISABLE_WIDTHS
 
@@ -38,3 +39,15 @@ def test_measure_times_both_programs(tmp_path):
     events = {e["event"] for e in r["decode"]["host_events"]}
     assert "backend_compile_and_load" in events and not any(e.startswith("$") for e in events)
     assert r["decode_ms_per_step_ungated"] > 0
+
+
+def test_lowering_lowers_the_whole_decode_program_for_the_gpu(tmp_path):
+    """On the CPU: the decode program of a small NVFP4 model, with the Pallas kernels, lowers for "cuda"
+    (every kernel of the step through Mosaic GPU's lowering), and the seconds are reported."""
+    dims = tmp_path / "dims.json"
+    dims.write_text(json.dumps(QUANTISABLE_WIDTHS))
+    (r1, r4) = lowering("NANO_NVFP4", [1, 4], prompt=5, pattern="ME*M", dims=str(dims))
+    assert [r1["batch"], r4["batch"]] == [1, 4]
+    for r in (r1, r4):
+        assert r["trace_s"] > 0 and r["lower_s"] > 0
+        assert r["mosaic_kernels"] >= 4, r  # the MoE's two, Mamba's in/out projections at least

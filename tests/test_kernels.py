@@ -26,6 +26,8 @@ import pytest
 
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts
 from pallas_kernels.formats import E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16
+from pallas_kernels._backend import num_sms
+from pallas_kernels._blocked import Tiling, _plan
 from pallas_kernels.moe import route_blocks
 
 IMPL = os.environ.get("PALLAS_KERNELS_IMPL", "interpret")
@@ -230,10 +232,24 @@ def test_kernels_lower_for_the_gpu(fmt):
     for rows in (1, 40):
         x = _x(rng, (rows, 2688), jnp.bfloat16)
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(x, w)
-    for tokens in (1, 100):  # decode blocks of 8 rows, prefill blocks of 64
+    # decode blocks of 8 rows, prefill blocks of 64; and the long K step that big decode grids take
+    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128))):
         idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
-        export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas")), platforms=["cuda"])(
+        export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas", tiling=tiling)), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
+
+
+def test_nvfp4_long_k_steps_only_where_the_grid_fills_the_gpu():
+    """NVFP4 streams 128 bytes a K step only for decode-size blocks whose grid fills the GPU without
+    split-K (the experts of a batch-32 step), where it pays; elsewhere 64 bytes, whose kernels lower
+    in half the time. Other formats: 128 bytes everywhere."""
+    sms = num_sms()
+    plan = lambda fmt, dtype, tm, n_tiles, blocks: _plan(fmt, dtype, 2688, tm, n_tiles, blocks, Tiling())[0]
+    assert plan(NVFP4Weight, jnp.uint8, 8, 29, 4 * sms) == 128  # many expert blocks: no split-K
+    assert plan(NVFP4Weight, jnp.uint8, 8, 29, 6) == 64  # one token's six experts: split-K
+    assert plan(NVFP4Weight, jnp.uint8, 32, 161, 1) == 64  # a GEMV of 32 rows
+    assert plan(NVFP4Weight, jnp.uint8, 64, 29, 4 * sms) == 64  # prefill blocks
+    assert plan(FP8Weight, jnp.float8_e4m3fn, 64, 29, 6) == 128
 
 
 def test_moe_experts_many_tokens_have_no_loop():
