@@ -27,7 +27,7 @@ MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are st
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Kernel tiling: tk streamed weight elements per K step (None: 128 bytes of them), pipeline
+    """Kernel tiling: tk streamed weight elements per K step (None: default_tk's choice), pipeline
     depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode."""
 
     tk: int | None = None
