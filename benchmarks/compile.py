@@ -70,6 +70,17 @@ def host_events(trace_dir: str, top: int = 30) -> list[dict]:
     return [{"event": name, "s": round(s, 3), "count": counts[name]} for name, s in totals.most_common(top)]
 
 
+def prefill_inputs(params, prompts, max_new_tokens: int):
+    """(params, PrefillInputs, static args) of a greedy prefill of `prompts` on one device, as prefill
+    would build them."""
+    from nemoh.engine.kv_pages import CacheSpec
+    from nemoh.engine.prefill import prefill_program
+    from nemoh.engine.sampling import Sampling
+
+    return prefill_program(params, prompts, max_new_tokens=max_new_tokens, sampling=Sampling(), stop_ids=(), seed=0,
+                           cache=CacheSpec(), prefill_chunk=None, mesh=None, rules=None)
+
+
 def lowering(layout: str, batches: list[int], prompt: int, pattern: str, dims: str) -> list[dict]:
     """Per batch size: seconds to trace and to lower the decode program for the GPU, in this process,
     whatever its backend; params are abstract (jax.eval_shape) but for the embedding, whose device the
@@ -82,9 +93,7 @@ def lowering(layout: str, batches: list[int], prompt: int, pattern: str, dims: s
 
     from benchmarks.common import nano_config
     from nemoh.engine.decode import _decode
-    from nemoh.engine.kv_pages import CacheSpec
-    from nemoh.engine.prefill import _prefill, prefill_program
-    from nemoh.engine.sampling import Sampling
+    from nemoh.engine.prefill import _prefill
     from nemoh.gate import default_prompts
     from nemoh.random_params import random_params
     from pallas_kernels import default_impl
@@ -95,9 +104,7 @@ def lowering(layout: str, batches: list[int], prompt: int, pattern: str, dims: s
     out = []
     for batch in batches:
         prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=1)]
-        p, x, static = prefill_program(params, prompts, max_new_tokens=prompt + 2, sampling=Sampling(),
-                                       stop_ids=(), seed=0, cache=CacheSpec(), prefill_chunk=None, mesh=None,
-                                       rules=None)
+        p, x, static = prefill_inputs(params, prompts, prompt + 2)
         with default_impl("pallas"):
             carry = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
                                  _prefill.trace(p, x, **static).out_info)
@@ -121,9 +128,7 @@ def measure(layout: str, prompt: int, steps: int, pattern: str, dims: str) -> di
     from benchmarks.common import nano_config
     from nemoh.compile_cache import set_compilation_cache
     from nemoh.engine.decode import _decode
-    from nemoh.engine.kv_pages import CacheSpec
-    from nemoh.engine.prefill import _prefill, prefill_program
-    from nemoh.engine.sampling import Sampling
+    from nemoh.engine.prefill import _prefill
     from nemoh.gate import default_prompts
     from nemoh.random_params import random_params
 
@@ -131,9 +136,7 @@ def measure(layout: str, prompt: int, steps: int, pattern: str, dims: str) -> di
     cfg = nano_config(pattern, dims=Path(dims))
     params = random_params(cfg, layout, dtype=jnp.bfloat16)
     prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt], seed=1)]
-    params, x, static = prefill_program(params, prompts, max_new_tokens=steps * 4 + 2, sampling=Sampling(),
-                                        stop_ids=(), seed=0, cache=CacheSpec(), prefill_chunk=None, mesh=None,
-                                        rules=None)
+    params, x, static = prefill_inputs(params, prompts, steps * 4 + 2)
     out = {}
     t0 = time.perf_counter()
     lowered = _prefill.lower(params, x, **static)

@@ -114,6 +114,11 @@ FORMATS = {"nvfp4": rand_nvfp4, "fp8": rand_fp8, "bf16": rand_dense}
 EXTRA_TILINGS: list = []  # --tilings: what every case times besides the default (instead of the built-in sweep)
 
 
+def tilings_to_time(sweep: bool, builtin: list) -> list:
+    """The default tiling, then the --tilings ones if given, else (with --sweep) a case's built-in ones."""
+    return [Tiling()] + (EXTRA_TILINGS or (builtin if sweep else []))
+
+
 def matmul_cases(key, sweep, formats):
     """(name, x, weights list, op(x, w, tiling), xla op, bytes per weight, tilings)."""
     cases = []
@@ -124,13 +129,9 @@ def matmul_cases(key, sweep, formats):
         ws = [mk(k, (), IN_PROJ, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, len(cases)), copies)]
         for m in (1, 512) if fmt != "bf16" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
-            tilings = [Tiling()]
-            if EXTRA_TILINGS:
-                tilings += EXTRA_TILINGS
-            elif sweep and m == 1:
-                tilings += [Tiling(ptx=False), Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])), Tiling(ctas_per_sm=8)]
-            elif sweep:
-                tilings += [Tiling(ptx=False)]
+            builtin = [Tiling(ptx=False)] + ([Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])), Tiling(ctas_per_sm=8)]
+                                             if m == 1 else [])
+            tilings = tilings_to_time(sweep, builtin)
             cases.append((f"{fmt} linear M={m} {HIDDEN}->{IN_PROJ}", x, ws if m == 1 else ws[:3], op,
                           reference.linear, nbytes(ws[0]), tilings))
     return cases
@@ -184,8 +185,8 @@ def run_moe(key, sweep, rows, tokens, formats):
         ref = reference.moe_experts(x, *sel[0], up, down)
         xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
         print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
-        tilings = [Tiling()] + (EXTRA_TILINGS or [Tiling(ptx=False), Tiling(ctas_per_sm=8), Tiling(stages=2),
-                                                  Tiling(stages=6), Tiling(tk=2 * stream_tk(up))] if sweep else [])
+        tilings = tilings_to_time(sweep, [Tiling(ptx=False), Tiling(ctas_per_sm=8), Tiling(stages=2), Tiling(stages=6),
+                                          Tiling(tk=2 * stream_tk(up))])
         best = None
         for t in tilings:
             fn = jax.jit(lambda x, ss, u, d, t=t: [moe_experts(x, *s, u, d, impl=IMPL, tiling=t) for s in ss])
@@ -267,7 +268,6 @@ def main():
         global HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS
         HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS = 128, 128, 8, 64, "interpret", 1 << 20
     EXTRA_TILINGS[:] = parse_tilings(args.tilings)
-    args.sweep = args.sweep or bool(EXTRA_TILINGS)
     device = jax.devices()[0].device_kind
     print("device:", device, "| jax", jax.__version__, flush=True)
     ceiling = hbm_ceiling_gbs(CEILING_ELEMS)
