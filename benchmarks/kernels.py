@@ -4,6 +4,7 @@ Run on the GPU machine:  PYTHONPATH=. python3 benchmarks/kernels.py [--sweep] [-
 Cases: NVFP4 / FP8 / bf16 GEMV 2688 -> 10304 (mamba in_proj) at M=1, the same as a prefill GEMM at M=512,
 and MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688; and 32 tokens, a batch-32 step, which
 reads most experts once) with bf16 / FP8 / NVFP4 experts; the MoE floor counts the experts selected.
+--only scaling: the M=1 GEMV for growing N, fitted to kernel µs = fixed cost + bytes / rate.
 
 Timing: each jitted call runs the op over R rotated weight copies (or R expert selections), so the
 weights are not L2-resident and launch gaps are those of one compiled program; reported time is the
@@ -17,6 +18,7 @@ Errors are max |y - ref| / max |ref| against a float32 (HIGHEST) dequantise-then
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -241,6 +243,38 @@ def run_matmuls(key, sweep, rows, formats):
         rows.append(row(name, best, wbytes, xla_us, extra))
 
 
+SCALING_N = (1024, 2688, 10304, 41216)
+SCALING_BYTES = 256 << 20  # weight copies each size is timed over: past the L2
+
+
+def run_scaling(key, formats):
+    """A kernel's fixed cost against its cost per byte: the M=1 GEMV 2688 -> N for growing N, kernel time
+    (CUPTI) and op time per call, then per tiling a least-squares line kernel µs = fixed + bytes / rate."""
+    for fmt in formats:
+        mk, pts = FORMATS[fmt], collections.defaultdict(list)
+        for n in SCALING_N:
+            w0 = mk(key, (), n, HIDDEN)
+            copies = max(2, -(-SCALING_BYTES // nbytes(w0)))
+            ws = [w0] + [mk(k, (), n, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, n), copies - 1)]
+            x = jax.random.normal(key, (1, HIDDEN), jnp.float32).astype(jnp.bfloat16)
+            for t in tilings_to_time(False, []):
+                fn = rotated(lambda x, w, t=t: linear(x, w, impl=IMPL, tiling=t), copies)
+                us = wall_us(fn, (x, ws), 20) / copies
+                k_us, all_us = kernel_us(fn, (x, ws), copies)
+                print(f"  scaling {fmt} M=1 {HIDDEN}->{n} {t}: {nbytes(w0) / 1e6:.2f} MB, op {us:.1f} us, "
+                      f"kernel {k_us}, all kernels {all_us}", flush=True)
+                if k_us:
+                    pts[t].append((nbytes(w0), k_us))
+            del ws
+        for t, tp in pts.items():
+            if len(tp) < 2:
+                continue
+            mb, mt = statistics.fmean(p[0] for p in tp), statistics.fmean(p[1] for p in tp)
+            slope = sum((b - mb) * (k - mt) for b, k in tp) / sum((b - mb) ** 2 for b, _ in tp)
+            print(f"  scaling {fmt} {t}: kernel us = {mt - slope * mb:.1f} + bytes / {1e-3 / slope:.0f} GB/s",
+                  flush=True)
+
+
 def table(rows, device, ceiling):
     lines = [f"device: {device}; HBM ceiling (2 GiB bf16: best of a read and an in-place scale): "
              f"{ceiling:.0f} GB/s", "",
@@ -259,14 +293,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.md")
-    parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32")
+    parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32,scaling")
     parser.add_argument("--formats", default="bf16,fp8,nvfp4", help="comma list of weight formats")
     parser.add_argument("--tilings", default="", help='tilings to time besides the default, e.g. "tk=128;ctas_per_sm=8"')
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     args = parser.parse_args()
     if args.smoke:
-        global HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS
+        global HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS, SCALING_N, SCALING_BYTES
         HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS = 128, 128, 8, 64, "interpret", 1 << 20
+        SCALING_N, SCALING_BYTES = (64, 128), 1 << 14
     EXTRA_TILINGS[:] = parse_tilings(args.tilings)
     device = jax.devices()[0].device_kind
     print("device:", device, "| jax", jax.__version__, flush=True)
@@ -280,6 +315,8 @@ def main():
     formats = [f for f in FORMATS if f in asked]
     if "matmul" in only:
         run_matmuls(key, args.sweep, rows, formats)
+    if "scaling" in only:
+        run_scaling(key, formats)
     for tokens in (1, 32):
         if f"moe{tokens}" in only or "moe" in only:
             run_moe(key, args.sweep, rows, tokens, formats)

@@ -28,13 +28,15 @@ MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are st
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """Kernel tiling: tk streamed weight elements per K step (None: default_tk's choice), pipeline
-    depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode."""
+    depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode, one
+    wgmma kept in flight across K steps (_wgemm's overlap)."""
 
     tk: int | None = None
     stages: int = 4
     stage_a: bool = False
     ctas_per_sm: int = 4
     ptx: bool = True
+    overlap: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -123,7 +125,8 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     tk, splits, k_total = _plan(fmt, arr.dtype, k, tm, arr.shape[1] // TN, num_blocks, tiling)
     x, row_exp = _activations(xb, fmt, arr.dtype)
     out = weight_gemm(_pad_axis(x, 2, k_total), arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
-                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, interpret=interpret_params(impl))
+                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, overlap=tiling.overlap,
+                      interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.
         out = jax.block_until_ready(out)

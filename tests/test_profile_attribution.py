@@ -33,3 +33,21 @@ def test_kernels_are_attributed_by_name_then_grid_then_neighbour():
     scopes, by_neighbour = attribute(events, HLO)
     assert scopes == ["mamba", "mamba", "mamba", "glue", "lm_head", "lm_head"]
     assert by_neighbour == 2
+
+
+def test_step_trace_names_what_each_fusion_holds():
+    """benchmarks/step_trace.py: a compiled program's fusions map to the opcodes fused into them, and the
+    launch table lists each kernel in order with its gap, scope and contents."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.step_trace import fused_ops, report
+
+    hlo = jax.jit(lambda a: jnp.max(jnp.exp(a) * 2.0, axis=-1)).lower(jnp.ones((8, 128))).compile().as_text()
+    ops = fused_ops(hlo)
+    fusion = next(name for name, what in ops.items() if "exponential" in what and "multiply" in what)
+    events = [(fusion, 1500.0, 0.0, None, "s"), (MOSAIC, 5000.0, 2000.0, "4,1,161", "s")]
+    table = report(events, ["glue", "mamba"], hlo)
+    assert table.startswith("2 launches, 6.5 µs of kernels, 7.0 µs first start to last end")
+    assert f"| 0 | glue | {fusion} | 1.5 |  | {ops[fusion]} |" in table
+    assert f"| 1 | mamba | {MOSAIC} | 5.0 | 0.5 | grid 4,1,161 |" in table

@@ -1,0 +1,133 @@
+"""One decode step, kernel by kernel: each launch in order with its device time, the idle gap before it,
+its layer scope and the HLO ops XLA fused into it. Where the per-kind breakdown of benchmarks/profile.py
+says how much, this says which launches to remove.
+
+    PYTHONPATH=. python3 benchmarks/step_trace.py [--layout NANO_NVFP4] [--pattern MEME] [--batch 1]
+        [--steps 8] [--out DIR]
+
+Random params at Nano widths with the given (short) layer pattern, built on the device; a profiled
+decode call of `steps` steps; the launches of its middle step are printed and written to
+step-trace-<layout>-b<batch>.txt in --out, beside the compiled decode program's HLO text. Ungated: a
+diagnostic, not a speed result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import nano_config
+from benchmarks.profile import _gpu_kernel_events, _norm, attribute
+from nemoh.engine.decode import _decode, decode
+from nemoh.engine.kv_pages import CacheSpec
+from nemoh.engine.prefill import prefill
+from nemoh.engine.sampling import Sampling
+from nemoh.gate import default_prompts
+from nemoh.random_params import random_params
+
+_COMPUTATION = re.compile(r"^%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_OPCODE = re.compile(r"=\s*(?:\([^=]*\)|\S+)\s+([\w\-]+)\(")
+_CALLS = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\b(?:fusion|custom-call)\(.*?(?:calls=%?([\w.\-]+))?")
+
+
+def fused_ops(hlo_text: str) -> dict[str, str]:
+    """Normalised fusion instruction name -> a summary of the opcodes of the computation it calls
+    ("reduce, multiply x3, convert"); custom calls -> their output shape."""
+    bodies: dict[str, collections.Counter] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = bodies.setdefault(head.group(1), collections.Counter())
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        if current is not None:
+            op = _OPCODE.search(line)
+            if op and op.group(1) not in ("parameter", "constant", "bitcast", "get-tuple-element", "tuple"):
+                current[op.group(1)] += 1
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _CALLS.match(line)
+        if not m:
+            continue
+        name, callee = m.group(1), re.search(r"calls=%?([\w.\-]+)", line)
+        if callee and callee.group(1) in bodies:
+            ops = bodies[callee.group(1)]
+            out[_norm(name)] = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in ops.most_common(8))
+        elif "custom-call" in line:
+            shape = line.split("=", 1)[1].split("custom-call", 1)[0].strip()
+            out[_norm(name)] = f"custom-call {shape[:60]}"
+    return out
+
+
+def trace(params, batch: int, steps: int, prompt: int = 64):
+    """(events of one middle decode step in launch order, scopes, the compiled decode HLO text)."""
+    cfg = params.config
+    prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=batch)]
+    carry = prefill(params, prompts, max_new_tokens=4 * steps + 4, sampling=Sampling(), stop_ids=(), seed=0,
+                    cache=CacheSpec())
+    carry = decode(params, carry, steps)
+    jax.block_until_ready(carry.tokens)
+    hlo = _decode.lower(params, carry, np.int32(steps)).compile().as_text()
+    with tempfile.TemporaryDirectory(prefix="nemoh-trace-") as tmp:
+        with jax.profiler.trace(tmp):
+            carry = decode(params, carry, steps)
+            jax.block_until_ready(carry.tokens)
+        paths = sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))
+        events = sorted(_gpu_kernel_events(paths[-1]), key=lambda e: e[2]) if paths else []
+    per_step = len(events) // steps
+    middle = events[per_step * (steps // 2): per_step * (steps // 2 + 1)]
+    scopes, _ = attribute(middle, hlo)
+    return middle, scopes, hlo
+
+
+def report(events, scopes, hlo: str) -> str:
+    ops = fused_ops(hlo)
+    lines = [f"{len(events)} launches, {sum(e[1] for e in events) / 1e3:.1f} µs of kernels, "
+             f"{(events[-1][2] + events[-1][1] - events[0][2]) / 1e3:.1f} µs first start to last end" if events else
+             "no kernel events", "", "| # | scope | kernel | µs | gap before µs | fused ops / grid |", "|---|---|---|---|---|---|"]
+    prev_end = None
+    for i, ((name, dur, start, grid, _), scope) in enumerate(zip(events, scopes)):
+        gap = "" if prev_end is None else f"{(start - prev_end) / 1e3:.1f}"
+        prev_end = start + dur
+        what = f"grid {grid}" if grid and "mosaic" in name else ops.get(_norm(name), "")
+        lines.append(f"| {i} | {scope} | {name[:48]} | {dur / 1e3:.1f} | {gap} | {what} |")
+    by_scope = collections.Counter(scopes)
+    lines += ["", "launches by scope: " + ", ".join(f"{k} {v}" for k, v in by_scope.most_common())]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", default="NANO_NVFP4")
+    ap.add_argument("--pattern", default="MEME")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    cfg = nano_config(args.pattern)
+    params = random_params(cfg, args.layout, dtype=jnp.bfloat16)
+    events, scopes, hlo = trace(params, args.batch, args.steps)
+    text = report(events, scopes, hlo)
+    print(f"{jax.devices()[0].device_kind} | {args.layout} {args.pattern} batch {args.batch}")
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"step-trace-{args.layout}-b{args.batch}.txt").write_text(text + "\n")
+    (out / f"decode-hlo-{args.layout}-b{args.batch}.txt").write_text(hlo)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
