@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._backend import interpret_params, num_sms
-from pallas_kernels._wgemm import TN, weight_gemm
+from pallas_kernels._wgemm import TN, X_TILE, weight_gemm
 from pallas_kernels.formats import Weight, is_quantized
 
 ROW_ALIGN = 32  # bytes: weight rows must hold whole 32-byte swizzle tiles
@@ -116,15 +116,26 @@ def _plan(fmt, w_dtype, k: int, tm: int, n_tiles: int, num_blocks: int, tiling: 
     return tk, splits, splits * steps * tk * per
 
 
+def row_blocks(x, tm: int):
+    """x [M, K] -> [ceil(M / tm), tm, K], the last block zero-padded: the kernel's activation blocks."""
+    m, k = x.shape
+    blocks = -(-m // tm)
+    return jnp.pad(x, ((0, blocks * tm - m), (0, 0))).reshape(blocks, tm, k)
+
+
 def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
-    """y[b] = xb[b] @ dequant(W[eid[b]])^T, float32 [B, tm, N]; impl is "pallas" or "interpret"."""
+    """y[b] = xb[b] @ dequant(W[eid[b]])^T, float32 [B, tm, N] for B = len(eid); xb [B, tm, K], or
+    [1, tm, K] for rows every block reads. impl is "pallas" or "interpret"."""
     tiling = tiling or DEFAULT_TILING
-    num_blocks, tm, k = xb.shape
+    _, tm, k = xb.shape
+    num_blocks = eid.shape[0]
     n = w.shape[-2]
     fmt, arr, scale, post = _weight_operands(w)
     tk, splits, k_total = _plan(fmt, arr.dtype, k, tm, arr.shape[1] // TN, num_blocks, tiling)
     x, row_exp = _activations(xb, fmt, arr.dtype)
-    out = weight_gemm(_pad_axis(x, 2, k_total), arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
+    if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
+        x = _pad_axis(x, 2, k_total)
+    out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, overlap=tiling.overlap,
                       interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):

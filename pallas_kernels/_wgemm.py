@@ -16,9 +16,10 @@ Each K step streams a (64, tk) weight tile, its (tk / BYTES_PER_SCALE_ROW, 64) s
 (tm, tk * K_PER_ELEMENT) activation tile through one TMA pipeline. Per-tensor scales are applied by the
 caller on the f32 output.
 
-Shape contract (the callers pad): N % 64 == 0; x's K extent == splits * steps * tk * K_PER_ELEMENT
-(zero padded); w's K extent may be shorter (the TMA engine zero-fills the tail, and so scale tiles past
-the last block read as zero) but must be a multiple of 32 bytes (dense w: of tk).
+Shape contract (the callers pad): N % 64 == 0; x's K extent is at most splits * steps * tk *
+K_PER_ELEMENT and a multiple of X_TILE elements, or exactly that; w's K extent may be shorter too but
+must be a multiple of 32 bytes (dense w: of tk). The TMA engine zero-fills the tails past K (and so
+scale tiles past the last block read as zero).
 Blocks with eid[b] < 0 are skipped and their output left unwritten.
 
 stage_a: decoded A operands go registers -> SMEM -> wgmma instead of straight from registers. The
@@ -40,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 TN = 64  # weight rows per CTA (wgmma M)
+X_TILE = 64  # activation elements per row of an x SMEM tile (the widest swizzle tile of 2-byte x)
 
 # One value per row of a 64-row WGMMA tile (what a row reduction of a WGMMA-layout array yields).
 _ROW = plgpu.Layout.TILED(
@@ -77,12 +79,15 @@ def scale_rows_per_step(fmt, tk: int) -> int:
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "overlap", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
                 ptx: bool = False, overlap: bool = False, interpret=None):
-    """Blocked product, float32 [splits, B, tm, N] (see module docstring)."""
-    num_blocks, tm, kx = x.shape
+    """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, tm, K]
+    is every block's rows (one token's experts all read the same row)."""
+    (num_blocks,), (x_blocks, tm, kx) = eid.shape, x.shape
+    if x_blocks not in (1, num_blocks):
+        raise ValueError(f"x has {x_blocks} blocks for {num_blocks} expert ids: must be 1 or {num_blocks}")
     _, n, _ = w.shape
     tkx = tk * (fmt.K_PER_ELEMENT if fmt else 1)
-    steps = kx // (tkx * splits)
-    if n % TN or kx != steps * tkx * splits or steps < 1:
+    steps = -(-kx // (tkx * splits))
+    if n % TN or steps < 1 or (kx != steps * tkx * splits and kx % X_TILE):
         raise ValueError(f"bad blocking: N={n}, K extent {kx}, tk={tk}, splits={splits}")
     n_scale = scale_rows_per_step(fmt, tk)
     if (scale is None) != (n_scale == 0):
@@ -125,7 +130,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                                          delay_release=in_flight),
                          plgpu.BlockSpec((TN, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk),
                                          delay_release=in_flight)]
-                operands = [x_ref.at[b], w_ref.at[e]]
+                operands = [x_ref.at[b if x_blocks > 1 else 0], w_ref.at[e]]
                 if n_scale:
                     specs.append(plgpu.BlockSpec((n_scale, TN), lambda k: (k0 + k, ni), delay_release=in_flight))
                     operands.append(s_ref.at[e])

@@ -21,7 +21,7 @@ from jax import lax
 
 from pallas_kernels import reference
 from pallas_kernels._backend import resolve_impl
-from pallas_kernels._blocked import MMA_DTYPES, Tiling, block_rows, blocked_linear
+from pallas_kernels._blocked import MMA_DTYPES, Tiling, block_rows, blocked_linear, row_blocks
 from pallas_kernels.formats import FP8Weight, Weight, is_quantized
 
 DENSE_KERNEL_MAX_ROWS = 64  # dense weights go through the kernel when x has at most this many rows
@@ -51,12 +51,10 @@ def linear(x, w: Weight, *, impl: str | None = None, tiling: Tiling | None = Non
     out_dtype = x.dtype
     if getattr(w, "input_scale", None) is not None:
         x, w = w.input_codes(x, w.input_scale), w.fold_input_scale()
-    tm = block_rows(m)
-    num_blocks = -(-m // tm)
-    xb = jnp.pad(x.reshape(m, k), ((0, num_blocks * tm - m), (0, 0))).reshape(num_blocks, tm, k)
+    xb = row_blocks(x.reshape(m, k), block_rows(m))
     one_expert = jax.tree.map(lambda a: a[None], w)  # the kernel indexes weights by expert
-    y = blocked_linear(xb, jnp.zeros((num_blocks,), jnp.int32), one_expert, impl, tiling)
-    return y.reshape(num_blocks * tm, -1)[:m].astype(out_dtype).reshape(*lead, -1)
+    y = blocked_linear(xb, jnp.zeros(xb.shape[:1], jnp.int32), one_expert, impl, tiling)
+    return y.reshape(-1, y.shape[-1])[:m].astype(out_dtype).reshape(*lead, -1)
 
 
 def fp8_w8a8(x, w: FP8Weight):

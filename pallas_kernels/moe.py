@@ -1,7 +1,7 @@
 """moe_experts: the routed-experts computation of a NemotronH MoE layer, reading only selected experts.
 
 Token-expert pairs are grouped by expert into blocks of `tm` rows (XLA, tiny; a single token gets one
-block per expert without the sort); each kernel CTA indexes its block's expert from the block->expert
+block per expert without the sort, every block reading the token's row); each kernel CTA indexes its block's expert from the block->expert
 table, so only the selected experts' weights are ever fetched, in their stored (packed) form: no
 gather of all experts, no dequantised copy, no dense pass over E as jax.lax.ragged_dot does. The
 weighted combine gathers each token's k expert rows and sums them (fp32, in a fixed order): no
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels._backend import resolve_impl
-from pallas_kernels._blocked import Tiling, blocked_linear
+from pallas_kernels._blocked import Tiling, blocked_linear, row_blocks
 from pallas_kernels.formats import Weight
 
 MOE_BLOCK_ROWS = 8  # decode: a token's k experts each get a block
@@ -120,8 +120,13 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     else:
         tm = block_rows_for(expert_idx.size, up.shape[0])
         slot_pair, block_expert, pair_slot = route_blocks(expert_idx, up.shape[0], tm, valid)
-    slot_token = slot_pair // k  # T for empty slots: past the end, they read zero rows
-    xb = x.at[slot_token].get(mode="fill", fill_value=0).reshape(-1, tm, x.shape[1])
+    if t == 1 and getattr(up, "input_scale", None) is None:
+        # every block reads the token's one row: the same activation block (and so, after XLA's common
+        # subexpression elimination, the same preparation) as any other projection of x, e.g. the shared expert's
+        xb = row_blocks(x, tm)
+    else:
+        slot_token = slot_pair // k  # T for empty slots: past the end, they read zero rows
+        xb = x.at[slot_token].get(mode="fill", fill_value=0).reshape(-1, tm, x.shape[1])
     xb, up = _quantized_blocks(xb, block_expert, up)
     h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling), 0.0)).astype(x.dtype)
     h, down = _quantized_blocks(h, block_expert, down)
