@@ -17,6 +17,8 @@
 #                                     # this tree with XLA's CUDA graphs also covering conditionals (the sampling cond)
 #   bash benchmarks/h200.sh variants  # NANO_NVFP4 decode batches 1,32, ungated, one process each: as it is, with
 #                                     # XLA's CUDA graphs also covering conditionals, with 8 CTAs per SM
+#   bash benchmarks/h200.sh trace     # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in order,
+#                                     # batches 1 and 32 (benchmarks/step_trace.py), and the GEMV's fixed cost
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
 #   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
 #                                     # 13-layer batch-1 decode, this tree and one extracted to _old
@@ -72,6 +74,8 @@ case "${1:-}" in
       (export XLA_FLAGS="$flags"; OUT="$OUT/$variant" leg 100 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 \
          --profile-batches "" --steps 32 --repeats 2 --no-gate ${tiling:+--tiling $tiling} | grep "^\[")
     done ;;
+  trace) for b in 1 32; do leg 170 benchmarks/step_trace.py --batch $b; done
+         leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
