@@ -28,15 +28,13 @@ MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are st
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """Kernel tiling: tk streamed weight elements per K step (None: default_tk's choice), pipeline
-    depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode, one
-    wgmma kept in flight across K steps (_wgemm's overlap)."""
+    depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode."""
 
     tk: int | None = None
     stages: int = 4
     stage_a: bool = False
     ctas_per_sm: int = 4
     ptx: bool = True
-    overlap: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -136,7 +134,7 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
-                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, overlap=tiling.overlap,
+                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx,
                       interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.

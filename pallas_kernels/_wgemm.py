@@ -24,10 +24,7 @@ Blocks with eid[b] < 0 are skipped and their output left unwritten.
 
 stage_a: decoded A operands go registers -> SMEM -> wgmma instead of straight from registers. The
 interpreter only models SMEM operands, so interpret mode always stages. ptx: the format's hand-written
-PTX decode (GPU only; interpret mode runs the same decode in jnp). overlap: a step waits for the
-previous step's wgmma, not its own, so decoding tile k+1 overlaps the MMA of tile k (a pipeline slot is
-refilled one step later, once the wgmma reading it is done); not with a staged A tile on the GPU, which
-the next step would overwrite in flight.
+PTX decode (GPU only; interpret mode runs the same decode in jnp).
 """
 
 from __future__ import annotations
@@ -76,9 +73,9 @@ def scale_rows_per_step(fmt, tk: int) -> int:
     return tk // per_row if per_row else 0
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "overlap", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                ptx: bool = False, overlap: bool = False, interpret=None):
+                ptx: bool = False, interpret=None):
     """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, tm, K]
     is every block's rows (one token's experts all read the same row)."""
     (num_blocks,), (x_blocks, tm, kx) = eid.shape, x.shape
@@ -94,8 +91,6 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
         raise ValueError(f"format {fmt} streams {n_scale} scale rows a step, got scale={scale is not None}")
     stage_a = (stage_a or interpret is not None) and fmt is not None
     ptx = ptx and interpret is None
-    overlap = overlap and stages > 1 and not (stage_a and interpret is None)
-    in_flight = 1 if overlap else 0
     mma_dtype = x.dtype
     if fmt is not None and mma_dtype != jnp.float16:
         raise ValueError(f"quantised weights decode to float16: x must be float16, got {mma_dtype}")
@@ -123,19 +118,16 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                             plgpu.commit_smem()
                             a = a_smem
                     plgpu.wgmma(acc, a, x_smem.T)
-                    plgpu.wgmma_wait(in_flight)
+                    plgpu.wgmma_wait(0)
 
                 k0 = s * steps
-                specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx),
-                                         delay_release=in_flight),
-                         plgpu.BlockSpec((TN, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk),
-                                         delay_release=in_flight)]
+                specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx)),
+                         plgpu.BlockSpec((TN, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk))]
                 operands = [x_ref.at[b if x_blocks > 1 else 0], w_ref.at[e]]
                 if n_scale:
-                    specs.append(plgpu.BlockSpec((n_scale, TN), lambda k: (k0 + k, ni), delay_release=in_flight))
+                    specs.append(plgpu.BlockSpec((n_scale, TN), lambda k: (k0 + k, ni)))
                     operands.append(s_ref.at[e])
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*operands)
-                plgpu.wgmma_wait(0)
                 return acc[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((TN, tm)))

@@ -27,6 +27,7 @@ import pytest
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts
 from pallas_kernels.formats import E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16
 from pallas_kernels._backend import num_sms
+from pallas_kernels import _blocked
 from pallas_kernels._blocked import Tiling, _plan
 from pallas_kernels.moe import route_blocks
 
@@ -233,23 +234,26 @@ def test_kernels_lower_for_the_gpu(fmt):
         x = _x(rng, (rows, 2688), jnp.bfloat16)
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(x, w)
     # decode blocks of 8 rows, prefill blocks of 64; and the long K step that big decode grids take
-    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(overlap=True))):
+    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128))):
         idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
         export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas", tiling=tiling)), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
-def test_overlapped_k_steps_give_the_same_result(fmt):
-    """Keeping one wgmma in flight across K steps (slots released a step later) changes the schedule,
-    not the arithmetic: the same sums in the same order, so the same bits, over several K steps."""
-    rng = _rng(8)
-    x, w = _x(rng, (3, 512), jnp.bfloat16), WEIGHTS[fmt](rng, (), 128, 512)
-    tiling = Tiling(tk=32 if fmt != "dense" else 64, stages=2)  # 8 K steps through a 2-slot pipeline
-    y = linear(x, w, impl=IMPL, tiling=tiling)
-    np.testing.assert_array_equal(np.asarray(linear(x, w, impl=IMPL, tiling=dataclasses.replace(tiling, overlap=True))),
-                                  np.asarray(y))
-    _check(y, _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], f"{fmt} overlapped")
+@pytest.mark.parametrize("fmt,tk", [("nvfp4", 32), ("fp8", 64), ("dense", 64)])
+@pytest.mark.parametrize("ctas_per_sm", [2, 4])
+def test_k_steps_past_the_activations(fmt, tk, ctas_per_sm, monkeypatch):
+    """x is not padded along K when K is a whole number of SMEM tiles: split-K plans whose last split
+    runs whole K steps past the data (5 steps of K as 2 x 3 or 3 x 2) read zeros there, from x as from
+    the weight and its scales."""
+    monkeypatch.setattr(_blocked, "num_sms", lambda: 1)  # ctas_per_sm CTAs in all: that many splits
+    rng = _rng(9)
+    x, w = _x(rng, (2, 320), jnp.bfloat16), WEIGHTS[fmt](rng, (), 64, 320)
+    tiling = Tiling(tk=tk, ctas_per_sm=ctas_per_sm)
+    fmt_class = type(w) if fmt != "dense" else None
+    _, splits, k_total = _plan(fmt_class, (w.stream()[0] if fmt_class else w).dtype, 320, 8, 1, 1, tiling)
+    assert splits > 1 and k_total - 320 >= 64, (splits, k_total)  # a whole step of each split-K plan past K
+    _check(linear(x, w, impl=IMPL, tiling=tiling), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
 
 
 def test_nvfp4_long_k_steps_only_where_the_grid_fills_the_gpu():
