@@ -14,9 +14,9 @@
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
-#                                     # this tree with XLA's CUDA graphs also covering conditionals (the sampling cond)
-#   bash benchmarks/h200.sh variants  # NANO_NVFP4 decode batches 1,32, ungated, one process each: as it is, with
-#                                     # XLA's CUDA graphs also covering conditionals, with 8 CTAs per SM
+#                                     # this tree
+#   bash benchmarks/h200.sh variants  # NANO_NVFP4 decode batches 1,32, one process each: as it is (ungated) and with
+#                                     # 8 CTAs per SM as the split-K target (gated)
 #   bash benchmarks/h200.sh trace     # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in order,
 #                                     # batches 1 and 32 (benchmarks/step_trace.py), and the GEMV's fixed cost
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
@@ -53,7 +53,7 @@ case "${1:-}" in
          --steps 32 --repeats 2 --call-overhead)
     done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
-  compare) # same card, same protocol: the baseline tree, then this one with conditionals in the CUDA graphs
+  compare) # same card, same protocol: the baseline tree, then this one
     if [ -d _old/nemoh ]; then
       (cd _old && echo "== _old tree $(tree_id)" && \
         OUT="$OUT/old" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
@@ -61,19 +61,17 @@ case "${1:-}" in
     else
       echo "== no baseline: _old/nemoh is missing (see the top of this file)"
     fi
-    echo "== this tree, XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL"
-    (export XLA_FLAGS="--xla_gpu_enable_command_buffer=+CONDITIONAL"; OUT="$OUT/conditional" \
-      leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \
-        --no-gate --call-overhead) ;;
-  variants) # same card, same protocol: candidate settings against the code as it is
-    for variant in default conditional ctas8; do
-      flags=""; tiling=""
-      [ $variant = conditional ] && flags="--xla_gpu_enable_command_buffer=+CONDITIONAL"
-      [ $variant = ctas8 ] && tiling="ctas_per_sm=8"
-      echo "== $variant"
-      (export XLA_FLAGS="$flags"; OUT="$OUT/$variant" leg 100 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 \
-         --profile-batches "" --steps 32 --repeats 2 --no-gate ${tiling:+--tiling $tiling} | grep "^\[")
-    done ;;
+    echo "== this tree"
+    (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
+       --repeats 2 --no-gate --call-overhead) ;;
+  variants) # same card, same protocol: a candidate tiling against the code as it is; the candidate gated
+            # (a leg takes ~135 s on the H200: batches 1 and 32, each compiling prefill and decode)
+    echo "== default"
+    (OUT="$OUT/default" leg 170 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
+       --steps 32 --repeats 2 --no-gate | grep "^\[")
+    echo "== ctas_per_sm=8"
+    (OUT="$OUT/ctas8" leg 250 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
+       --steps 32 --repeats 2 --tiling ctas_per_sm=8 | grep "^\[") ;;
   trace) for b in 1 32; do leg 170 benchmarks/step_trace.py --batch $b; done
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
