@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.extend
@@ -206,6 +207,24 @@ def test_moe_experts_single_token(fmt):
     ref = sum(float(weight[0, j]) * (down64[e] @ np.square(np.maximum(up64[e] @ x64, 0.0)))
               for j, e in enumerate(EXPERT_IDX[2]))
     _check(y, ref[None], 8e-3, f"moe T=1 {fmt} vs f64")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_one_token_experts_share_the_activation_preparation(fmt):
+    """At T=1 the routed experts read the token's row block, the very block a projection of the same x
+    reads (the shared expert's), so the compiled program prepares x once: three row-max reductions
+    (x; the shared hidden; the routed hidden), not four (a gathered copy of x had its own)."""
+    rng = _rng(10)
+    x, _, weight, up, down = _moe_inputs(fmt, jnp.bfloat16)
+    shared_up, shared_down = WEIGHTS[fmt](rng, (), 32, H), WEIGHTS[fmt](rng, (), H, 32)
+
+    def layer(x, idx, weight, up, down, shared_up, shared_down):
+        shared = linear(jnp.square(jnp.maximum(linear(x, shared_up, impl=IMPL), 0.0)), shared_down, impl=IMPL)
+        return moe_experts(x, idx, weight, up, down, impl=IMPL) + shared
+
+    args = (x[:1], jnp.asarray(EXPERT_IDX[2:3]), weight[:1], up, down, shared_up, shared_down)
+    hlo = jax.jit(layer).lower(*args).compile().as_text()
+    assert len(re.findall(r"= f32\[\d+,8\]\S* reduce\(", hlo)) == 3, re.findall(r"= f32\[\d+,8\]\S* reduce\(", hlo)
 
 
 def test_route_blocks_covers_every_pair_once():
