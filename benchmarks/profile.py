@@ -93,17 +93,23 @@ def _gpu_kernel_events(xspace_path: str):
                 yield ev.name, float(ev.duration_ns), float(ev.start_ns), grid and grid.group(1), line.name
 
 
-def profile_breakdown(run, hlo_text: str, steps: int) -> dict:
-    """Profile `run()` (which must block until done and run `steps` decode steps) and split its GPU
-    kernel time by scope. Returns per-scope kernel µs and launches per step, the top kernels, and the
-    profiled wall time per step."""
+def kernel_events(run) -> tuple[list, float]:
+    """Profile `run()` (which must block until its device work is done): (its GPU kernel events (name,
+    duration ns, start ns, CUDA grid or None, stream) in start order, wall seconds of the call)."""
     with tempfile.TemporaryDirectory(prefix="nemoh-profile-") as tmp:
         with jax.profiler.trace(tmp):
             t0 = time.perf_counter()
             run()
             wall = time.perf_counter() - t0
         paths = sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))
-        events = list(_gpu_kernel_events(paths[-1])) if paths else []
+        return (sorted(_gpu_kernel_events(paths[-1]), key=lambda e: e[2]) if paths else []), wall
+
+
+def profile_breakdown(run, hlo_text: str, steps: int) -> dict:
+    """Profile `run()` (which must block until done and run `steps` decode steps) and split its GPU
+    kernel time by scope. Returns per-scope kernel µs and launches per step, the top kernels, and the
+    profiled wall time per step."""
+    events, wall = kernel_events(run)
     per_scope_us = collections.Counter()
     per_scope_n = collections.Counter()
     per_kernel = collections.defaultdict(lambda: [0.0, 0])

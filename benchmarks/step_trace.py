@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -26,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import nano_config
-from benchmarks.profile import _gpu_kernel_events, _norm, attribute
+from benchmarks.profile import _norm, attribute, kernel_events
 from nemoh.engine.decode import _decode, decode
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import prefill
@@ -36,7 +34,8 @@ from nemoh.random_params import random_params
 
 _COMPUTATION = re.compile(r"^%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _OPCODE = re.compile(r"=\s*(?:\([^=]*\)|\S+)\s+([\w\-]+)\(")
-_CALLS = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\b(?:fusion|custom-call)\(.*?(?:calls=%?([\w.\-]+))?")
+_CALLS = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*\b(?:fusion|custom-call)\(")
+_CALLEE = re.compile(r"calls=%?([\w.\-]+)")
 
 
 def fused_ops(hlo_text: str) -> dict[str, str]:
@@ -61,7 +60,7 @@ def fused_ops(hlo_text: str) -> dict[str, str]:
         m = _CALLS.match(line)
         if not m:
             continue
-        name, callee = m.group(1), re.search(r"calls=%?([\w.\-]+)", line)
+        name, callee = m.group(1), _CALLEE.search(line)
         if callee and callee.group(1) in bodies:
             ops = bodies[callee.group(1)]
             out[_norm(name)] = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in ops.most_common(8))
@@ -80,12 +79,7 @@ def trace(params, batch: int, steps: int, prompt: int = 64):
     carry = decode(params, carry, steps)
     jax.block_until_ready(carry.tokens)
     hlo = _decode.lower(params, carry, np.int32(steps)).compile().as_text()
-    with tempfile.TemporaryDirectory(prefix="nemoh-trace-") as tmp:
-        with jax.profiler.trace(tmp):
-            carry = decode(params, carry, steps)
-            jax.block_until_ready(carry.tokens)
-        paths = sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))
-        events = sorted(_gpu_kernel_events(paths[-1]), key=lambda e: e[2]) if paths else []
+    events, _ = kernel_events(lambda: jax.block_until_ready(decode(params, carry, steps).tokens))
     per_step = len(events) // steps
     middle = events[per_step * (steps // 2): per_step * (steps // 2 + 1)]
     scopes, _ = attribute(middle, hlo)
