@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemoh import validate
+from nemoh.engine import xla_options
 from nemoh.engine.carry import DecodeCarry, check_live, check_matches, consume, raise_if_nonfinite
 from nemoh.engine.sampling import sample
 from nemoh.layers.context import TokenContext
@@ -65,7 +66,7 @@ def step(params: ModelParams, carry: DecodeCarry) -> DecodeCarry:
     )
 
 
-@partial(jax.jit, donate_argnums=(1,))
+@partial(jax.jit, donate_argnums=(1,), compiler_options=xla_options.DECODE)
 def _decode(params: ModelParams, carry: DecodeCarry, num_steps: jax.Array) -> DecodeCarry:
     def cond(state):
         i, c = state

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nemoh import validate
+from nemoh.engine import xla_options
 from nemoh.engine.carry import DecodeCarry, initial_states, raise_if_nonfinite, state_costs
 from nemoh.engine.decode import compile_ahead
 from nemoh.engine.kv_pages import CacheSpec, block_tables
@@ -44,14 +45,8 @@ class PrefillInputs:
     placement: Placement | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-# XLA's Triton GEMM fusions off for prefill: its large dots then go to cuBLAS, with no Triton configs to
-# autotune. On the H200 at Nano dims (NVFP4, one 2,048-token prompt) that compiled in 32.0 s against
-# 52.2 s and ran 11,710 against 9,814 tok/s (docs/BENCHMARKS.md). Other backends ignore the option.
-PREFILL_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-
 @partial(jax.jit, static_argnames=("chunk", "num_pages", "page_size"), donate_argnums=(1,),
-         compiler_options=PREFILL_COMPILER_OPTIONS)
+         compiler_options=xla_options.PREFILL)
 def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, page_size: int) -> DecodeCarry:
     rows = x.lengths.shape[0]
     positions = jnp.arange(chunk, dtype=jnp.int32)[None, :]
