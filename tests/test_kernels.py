@@ -93,6 +93,25 @@ def test_decode_helpers_exact():
     np.testing.assert_array_equal(got[finite], want[finite])
 
 
+def test_row_scaling_is_frexp_and_ldexp():
+    """The activations' per-row power-of-two scaling, built from float bits, is frexp/ldexp exactly for
+    rows with a normal max (every magnitude bf16 reaches below 2**126), and the output's inverse scaling
+    restores them; zero and subnormal rows scale by 2**126, non-finite rows stay non-finite."""
+    rng = _rng(11)
+    mags = np.exp2(rng.integers(-120, 120, (64, 1))).astype(np.float32)
+    x = (rng.normal(size=(64, 48)) * mags).astype(np.float32)
+    m = np.abs(x).max(axis=1)
+    e = np.asarray(_blocked.row_exponent(jnp.asarray(m)))
+    np.testing.assert_array_equal(e, np.frexp(m)[1])
+    scaled = jnp.asarray(x) * _blocked.pow2(jnp.asarray(-e))[:, None]
+    np.testing.assert_array_equal(np.asarray(scaled), np.ldexp(x, -e[:, None]))
+    np.testing.assert_array_equal(np.asarray(scaled * _blocked.pow2(jnp.asarray(e))[:, None]), x)  # undone
+    tiny = np.float32(2.0**-140)
+    edge = np.asarray(_blocked.row_exponent(jnp.asarray([0.0, tiny, np.inf, np.nan, 2.0**127], jnp.float32)))
+    np.testing.assert_array_equal(edge, [-126, -126, 126, 126, 126])
+    assert np.isinf(float(jnp.float32(np.inf) * _blocked.pow2(jnp.int32(-126))))
+
+
 def test_nvfp4_layout_round_trip():
     rng = _rng(5)
     packed = rng.integers(0, 256, (3, 8, 24), dtype=np.uint8)
