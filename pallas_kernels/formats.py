@@ -264,12 +264,16 @@ class NVFP4Weight:
         return (values * scales * glob).reshape(*lead, out, 2 * half).astype(dtype)
 
     def stream(self) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-        return self.packed, self.scale, self.global_scale
+        """The output scale includes 1 / E2M1_UNIT: decode_tile leaves W's values times E2M1_UNIT (no
+        multiply per block scale in the kernel; one on the f32 output instead)."""
+        return self.packed, self.scale, self.global_scale / E2M1_UNIT
 
     @staticmethod
     def decode_tile(codes: jax.Array, scale_rows: list[jax.Array], ptx: bool) -> jax.Array:
-        """codes [64, 8g] uint8 (g blocks), scale_rows: g per-row float16 block scales [64] -> exact
-        float16 [64, 16g] MMA operand. ptx: decode in hand-written PTX (GPU only).
+        """codes [64, 8g] uint8 (g blocks), scale_rows: g per-row float16 block scales [64] -> the
+        [64, 16g] float16 MMA operand, W's values (before the global scale) times E2M1_UNIT, exact
+        (at least 2**-16, at most 6 significant bits: float16 subnormals hold them). ptx: decode in
+        hand-written PTX (GPU only).
 
         Block c's low nibbles are W columns 16c..16c+7 and its high nibbles 16c+8..16c+15; concatenating
         8-column chunks keeps Mosaic's register layout (8 columns is one WGMMA layout tile)."""
@@ -277,7 +281,7 @@ class NVFP4Weight:
         rows = codes.shape[0]
         chunks = []
         for c, s in enumerate(scale_rows):
-            s = lax.broadcast_in_dim(s * jnp.float16(1 / E2M1_UNIT), (rows, _GROUP_BYTES), (0,))
+            s = lax.broadcast_in_dim(s, (rows, _GROUP_BYTES), (0,))
             cols = slice(c * _GROUP_BYTES, (c + 1) * _GROUP_BYTES)
             chunks += [lo[:, cols] * s, hi[:, cols] * s]
         return jnp.concatenate(chunks, axis=1)

@@ -85,10 +85,10 @@ def test_decode_helpers_exact():
     np.testing.assert_array_equal(np.asarray(hi, np.float32), E2M1_VALUES[codes >> 4] * E2M1_UNIT)
     f8 = jnp.asarray(codes).view(jnp.float8_e4m3fn)
     np.testing.assert_array_equal(np.asarray(f8.astype(jnp.float16), np.float32), np.asarray(f8, np.float32))
-    # every decoded e2m1 times every (e4m3 block scale / E2M1_UNIT) is exact in float16
-    scale16 = f8.astype(jnp.float16) * jnp.float16(1 / E2M1_UNIT)
-    got = np.asarray(lo[:16, None] * scale16[None, :], np.float32)
-    want = E2M1_VALUES[:16, None] * np.asarray(f8, np.float32)[None, :]
+    # every decoded e2m1 (times E2M1_UNIT) times every e4m3 block scale is exact in float16, subnormal
+    # products (down to 2**-16) included: the kernel's operand, E2M1_UNIT undone on its f32 output
+    got = np.asarray(lo[:16, None] * f8.astype(jnp.float16)[None, :], np.float32)
+    want = E2M1_VALUES[:16, None] * E2M1_UNIT * np.asarray(f8, np.float32)[None, :]
     finite = np.isfinite(want)
     np.testing.assert_array_equal(got[finite], want[finite])
 
