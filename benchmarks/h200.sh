@@ -16,7 +16,7 @@
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
 #   bash benchmarks/h200.sh variants  # NANO_NVFP4 decode batches 1,32, one process each: as it is (ungated) and with
-#                                     # 8 CTAs per SM as the split-K target (gated)
+#                                     # the sampling cond as a CUDA-graph conditional (+CONDITIONAL, gated)
 #   bash benchmarks/h200.sh trace     # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in order,
 #                                     # batches 1 and 32 (benchmarks/step_trace.py), and the GEMV's fixed cost
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
@@ -64,14 +64,17 @@ case "${1:-}" in
     echo "== this tree"
     (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
        --repeats 2 --no-gate --call-overhead) ;;
-  variants) # same card, same protocol: a candidate tiling against the code as it is; the candidate gated
-            # (a leg takes ~135 s on the H200: batches 1 and 32, each compiling prefill and decode)
+  variants) # same card, same protocol: a candidate against the code as it is; the candidate gated (a leg
+            # takes ~135 s on the H200: batches 1 and 32, each compiling prefill and decode). The candidate:
+            # conditionals recorded into the CUDA graphs, so the sampling cond no longer waits on the host
+            # (slower on the H100 under serial scheduling: 3.820 against 3.714 ms; untried under CONCURRENT)
     echo "== default"
     (OUT="$OUT/default" leg 170 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
        --steps 32 --repeats 2 --no-gate | grep "^\[")
-    echo "== ctas_per_sm=8"
-    (OUT="$OUT/ctas8" leg 250 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
-       --steps 32 --repeats 2 --tiling ctas_per_sm=8 | grep "^\[") ;;
+    echo "== XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL"
+    (export XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL; OUT="$OUT/conditional" leg 250 \
+       benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \
+       | grep "^\[") ;;
   trace) for b in 1 32; do leg 170 benchmarks/step_trace.py --batch $b; done
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
