@@ -1,4 +1,5 @@
-"""XLA options compiled into the engine's programs (per program, so a user's XLA_FLAGS stay theirs).
+"""XLA options compiled into the engine's programs: per program, so XLA_FLAGS (process-wide) stay as the user
+set them; within the two programs these fields take precedence.
 
 Both programs run their kernels as CUDA graphs (XLA command buffers). CONCURRENT scheduling records
 each graph as a DAG of its kernels' buffer dependencies instead of one serial chain, so independent
