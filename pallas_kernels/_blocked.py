@@ -5,9 +5,10 @@ x blocks [B, tm, K] (float), eid [B] int32 (negative: skip the block), W a stack
 
 Quantised weights decode to exact float16 values (the cheapest exact decode: the e4m3 -> f16 pair
 conversion is one instruction), so activations go to the kernel as float16 rescaled per row by a power
-of two (max |x| of each row becomes < 1, or < 4 for rows beyond 2**126; undone on the f32 output): exact for bf16 values down to
-2**-14 of their row's max, below that f16 subnormals keep fewer bits (an absolute error under 2**-25 of
-the row max); f32 activations are rounded to 11 bits. Dense weights use their own dtype (bf16/f16).
+of two (max |x| of each row becomes < 1, or < 4 for rows beyond 2**126; undone on the f32 output):
+exact for bf16 values down to 2**-14 of their row's max, below that f16 subnormals keep fewer bits (an
+absolute error under 2**-25 of the row max); f32 activations are rounded to 11 bits. Dense weights use
+their own dtype (bf16/f16).
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     x, row_exp = _activations(xb, fmt, arr.dtype)
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
+    if hasattr(fmt, "permute_activations"):  # a format whose decode yields K in its own order
+        x = fmt.permute_activations(x)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx,
                       interpret=interpret_params(impl))

@@ -8,11 +8,12 @@ accumulator is stored transposed, so the output is row-major [tm, N] per block a
 (no transpose pass in XLA). Quantised weights are decoded in registers right before the wgmma (never
 written back).
 
-Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats):
+Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats, or another
+class with its interface):
   x      [B, tm, K] in the MMA dtype (dense: the weight's dtype; quantised: float16, what they decode to)
   w      [E, N, Kw] streamed weight elements (Kw = K / fmt.K_PER_ELEMENT)
-  scale  [E, K/16, N] block scales streamed with the codes (formats with BYTES_PER_SCALE_ROW), or None
-Each K step streams a (64, tk) weight tile, its (tk / BYTES_PER_SCALE_ROW, 64) scale tile and a
+  scale  [E, K/16, N] block scales streamed with the codes (formats with ELEMENTS_PER_SCALE_ROW), or None
+Each K step streams a (64, tk) weight tile, its (tk / ELEMENTS_PER_SCALE_ROW, 64) scale tile and a
 (tm, tk * K_PER_ELEMENT) activation tile through one TMA pipeline. Per-tensor scales are applied by the
 caller on the f32 output.
 
@@ -61,15 +62,16 @@ def _weight_transforms(fmt, w, tk: int):
     (Mosaic's TMA tiles the GMEM side too), letting the last K step run past K (zero fill)."""
     if fmt is None:
         return _smem_transforms(w.dtype, tk)
+    size = jnp.dtype(w.dtype).itemsize
     for swizzle in (128, 64, 32):
-        if tk % swizzle == 0 and w.shape[-1] % swizzle == 0:
-            return plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)
-    raise ValueError(f"weight K extent {w.shape[-1]} bytes must be a multiple of 32")
+        if (tk * size) % swizzle == 0 and (w.shape[-1] * size) % swizzle == 0:
+            return plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle)
+    raise ValueError(f"weight K extent {w.shape[-1] * size} bytes must be a multiple of 32")
 
 
 def scale_rows_per_step(fmt, tk: int) -> int:
     """Block-scale rows one K step of tk streamed weight elements needs (0: the format has none)."""
-    per_row = getattr(fmt, "BYTES_PER_SCALE_ROW", None)
+    per_row = getattr(fmt, "ELEMENTS_PER_SCALE_ROW", None)
     return tk // per_row if per_row else 0
 
 
@@ -110,8 +112,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                         a = w_smem
                     else:
                         codes = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
-                        rows = [plgpu.load(s_smem[0].at[c], layout=_ROW, optimized=False).astype(jnp.float16)
-                                for c in range(n_scale)]
+                        rows = [plgpu.load(s_smem[0].at[c], layout=_ROW, optimized=False) for c in range(n_scale)]
                         a = fmt.decode_tile(codes, rows, ptx)
                         if stage_a:
                             a_smem[...] = a

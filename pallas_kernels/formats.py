@@ -147,7 +147,7 @@ class FP8Weight:
     input_scale: jax.Array | None = None
 
     K_PER_ELEMENT: ClassVar[int] = 1  # logical K elements per streamed weight element
-    BYTES_PER_SCALE_ROW: ClassVar[int | None] = None  # streamed weight bytes per block-scale row (none)
+    ELEMENTS_PER_SCALE_ROW: ClassVar[int | None] = None  # streamed weight elements per block-scale row (none)
     # the logical dims each stored leaf's dims hold ("*": the leading dims of [..., out, in]), so a
     # sharding of the logical weight carries over to its leaves
     LEAF_DIMS: ClassVar[dict[str, tuple[str, ...]]] = {"data": ("*", "out", "in"), "scale": ("*",),
@@ -214,7 +214,7 @@ class NVFP4Weight:
     input_scale: jax.Array | None = None
 
     K_PER_ELEMENT: ClassVar[int] = 2
-    BYTES_PER_SCALE_ROW: ClassVar[int | None] = _GROUP_BYTES
+    ELEMENTS_PER_SCALE_ROW: ClassVar[int | None] = _GROUP_BYTES
     # packed's in dim holds in/2 bytes, scale's (transposed) in dim in/16 blocks
     LEAF_DIMS: ClassVar[dict[str, tuple[str, ...]]] = {"packed": ("*", "out", "in"), "scale": ("*", "in", "out"),
                                                        "global_scale": ("*",), "input_scale": ("*",)}
@@ -270,7 +270,7 @@ class NVFP4Weight:
 
     @staticmethod
     def decode_tile(codes: jax.Array, scale_rows: list[jax.Array], ptx: bool) -> jax.Array:
-        """codes [64, 8g] uint8 (g blocks), scale_rows: g per-row float16 block scales [64] -> the
+        """codes [64, 8g] uint8 (g blocks), scale_rows: g per-row e4m3 block scales [64] -> the
         [64, 16g] float16 MMA operand, W's values (before the global scale) times E2M1_UNIT, exact
         (at least 2**-16, at most 6 significant bits: float16 subnormals hold them). ptx: decode in
         hand-written PTX (GPU only).
@@ -281,7 +281,7 @@ class NVFP4Weight:
         rows = codes.shape[0]
         chunks = []
         for c, s in enumerate(scale_rows):
-            s = lax.broadcast_in_dim(s, (rows, _GROUP_BYTES), (0,))
+            s = lax.broadcast_in_dim(s.astype(jnp.float16), (rows, _GROUP_BYTES), (0,))
             cols = slice(c * _GROUP_BYTES, (c + 1) * _GROUP_BYTES)
             chunks += [lo[:, cols] * s, hi[:, cols] * s]
         return jnp.concatenate(chunks, axis=1)
@@ -316,11 +316,12 @@ def _with_input_scale(tensors: dict[str, jax.Array], input_scale) -> dict[str, j
 
 QuantizedWeight = Union[FP8Weight, NVFP4Weight]
 Weight = Union[jax.Array, FP8Weight, NVFP4Weight]
-FORMATS = (FP8Weight, NVFP4Weight)
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, FORMATS)
+    """Whether w is a format object (FP8Weight, NVFP4Weight, or any class with their kernel interface:
+    decode_tile, stream, K_PER_ELEMENT, ...), not a plain array."""
+    return hasattr(type(w), "decode_tile")
 
 
 def dequantize(w: Weight, dtype=jnp.float32) -> jax.Array:

@@ -1,0 +1,1 @@
+"""Candidate kernel data paths, timed against the library's before one replaces it."""
