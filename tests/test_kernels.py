@@ -148,6 +148,18 @@ def test_large_quantised_products_dequantise_then_dot():
     np.testing.assert_array_equal(np.asarray(linear(x, w8a8, impl=IMPL)), np.asarray(fp8_w8a8(x, w8a8)))
 
 
+def test_nvfp4_tiny_block_scales_keep_their_products():
+    """Block scales among e4m3's subnormals (2**-9 .. 7 * 2**-9) make every MMA operand value a float16
+    subnormal (the decode leaves W's values times 2**-6): the products must survive, not flush to zero.
+    On a GPU (PALLAS_KERNELS_IMPL=pallas) this checks the tensor cores' subnormal inputs."""
+    rng = _rng(12)
+    packed = rng.integers(0, 256, (128, 96), dtype=np.uint8)
+    block = jnp.asarray(rng.integers(1, 8, (128, 12)).astype(np.float32) * 2.0**-9).astype(jnp.float8_e4m3fn)
+    w = NVFP4Weight.from_hf(packed, block, np.float32(1.0))
+    x = _x(rng, (1, 192), jnp.float32)
+    _check(linear(x, w, impl=IMPL), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.float32], "nvfp4 tiny scales")
+
+
 @pytest.mark.parametrize("fmt,lead,n,k,dtype", [(fmt, *case) for fmt in ("nvfp4", "fp8", "dense")
                                                  for case in LINEAR_CASES
                                                  if fmt != "dense" or case[-1] == jnp.bfloat16])  # f32 dense: XLA
