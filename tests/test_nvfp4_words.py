@@ -10,8 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.candidates.nvfp4_words import NVFP4WordsWeight
-from pallas_kernels import NVFP4Weight, linear, moe_experts
+import nemoh
+from benchmarks.candidates.nvfp4_words import NVFP4WordsWeight, on_words
+from nemoh.config import NemotronHConfig
+from oracle_configs import QUANTISABLE_WIDTHS
+from pallas_kernels import NVFP4Weight, default_impl, is_quantized, linear, moe_experts
 from pallas_kernels._blocked import Tiling
 
 
@@ -79,3 +82,17 @@ def test_lowers_for_the_gpu():
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=tiling)), platforms=["cuda"])(x, w)
     idx, weight = jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), jnp.float32)
     export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas")), platforms=["cuda"])(x, idx, weight, up, down)
+
+
+def test_whole_model_on_the_candidate_path():
+    """on_words moves every weight-only NVFP4 projection to the candidate; the model's logits through the
+    interpreted kernels then match the library's path (same values, another summation order)."""
+    cfg = NemotronHConfig.from_dict({**QUANTISABLE_WIDTHS, "hybrid_override_pattern": "ME*M-", "intermediate_size": 32})
+    params = nemoh.random_params(cfg, "NVFP4", dtype=jnp.float32)
+    words = on_words(params)
+    kinds = lambda p: sorted({type(w).__name__ for w in jax.tree.leaves(p, is_leaf=is_quantized) if is_quantized(w)})
+    assert kinds(params) == ["NVFP4Weight"] and kinds(words) == ["NVFP4WordsWeight"]
+    tokens = jnp.asarray([[3, 7, 1, 4, 4, 9]], jnp.int32)
+    with default_impl("interpret"):
+        ours, theirs = nemoh.forward(words, tokens), nemoh.forward(params, tokens)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-4, atol=1e-4)

@@ -16,8 +16,9 @@ the operand's column n = 8X + 2q + j holds element 16q + 8 nib + 4 odd + 2 half 
 + half: word 2q + odd, its bytes 2 half + j, nibble nib. So x_perm[n] = x[16q + ...]: x reshaped
 [..., q, nib, odd, half, j] and transposed to [..., odd, nib, half, q, j].
 
-Used by benchmarks/kernels.py (format "nvfp4w") and tests/test_nvfp4_words.py; the library's loader
-builds NVFP4Weight.
+Used by benchmarks/kernels.py (format "nvfp4w"), benchmarks/decode.py --nvfp4-words (gated decode
+with every weight-only NVFP4 projection on this path: `on_words`) and tests/test_nvfp4_words.py; the
+library's loader builds NVFP4Weight.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.formats import E2M1_UNIT, NVFP4Weight, e2m1_pair_to_f16
+from pallas_kernels.formats import E2M1_UNIT, NVFP4Weight, e2m1_pair_to_f16, is_quantized
 
 _CHUNK_WORDS = 8  # one 32-byte chunk: 4 blocks, one per thread of a wgmma quad
 
@@ -166,3 +167,11 @@ class NVFP4WordsWeight:
                     for half in (0, 1):
                         chunks.append(_lane_split(words, half, nibble, odd) * per_column)
         return jnp.concatenate(chunks, axis=1)
+
+
+def on_words(params):
+    """params (any pytree, e.g. ModelParams) with every weight-only NVFP4Weight on the candidate path;
+    activation-quantised (W4A4) and other weights as they are."""
+    words = lambda w: (NVFP4WordsWeight.from_nvfp4(w) if isinstance(w, NVFP4Weight) and w.input_scale is None
+                       else w)
+    return jax.tree.map(words, params, is_leaf=is_quantized)
