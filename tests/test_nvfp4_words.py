@@ -77,11 +77,13 @@ def test_lowers_for_the_gpu():
 
     rng = np.random.default_rng(6)
     w, up, down = _weight(rng, (), 256, 2688), _weight(rng, (4,), 1856, 2688), _weight(rng, (4,), 2688, 1856)
-    x = jnp.asarray(rng.normal(size=(1, 2688)).astype(np.float32)).astype(jnp.bfloat16)
-    for tiling in (None, Tiling(tk=32)):
-        export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=tiling)), platforms=["cuda"])(x, w)
-    idx, weight = jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), jnp.float32)
-    export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas")), platforms=["cuda"])(x, idx, weight, up, down)
+    x = jnp.asarray(rng.normal(size=(100, 2688)).astype(np.float32)).astype(jnp.bfloat16)
+    for rows, tiling in ((1, None), (1, Tiling(tk=32)), (40, None)):  # decode blocks, long K step, prefill
+        export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=tiling)), platforms=["cuda"])(x[:rows], w)
+    for tokens in (1, 100):
+        idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
+        export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas")), platforms=["cuda"])(
+            x[:tokens], idx, weight, up, down)
 
 
 def test_whole_model_on_the_candidate_path():
