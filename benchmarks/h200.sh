@@ -13,6 +13,7 @@
 #   bash benchmarks/h200.sh candidate # NVFP4 against the candidate data path (nvfp4w): GEMV scaling, MoE 1 and 32
 #                                     # tokens, errors against the dequantised reference
 #   bash benchmarks/h200.sh candidate-decode  # NANO_NVFP4 decode batches 1,32 on the candidate data path, gated
+#   bash benchmarks/h200.sh mamba-step  # NANO_NVFP4 decode batches 1,32 with the candidate fused Mamba step, gated
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
@@ -57,6 +58,8 @@ case "${1:-}" in
     done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   candidate) leg 400 benchmarks/kernels.py --only moe1,moe32,scaling --formats nvfp4,nvfp4w ;;
+  mamba-step) leg 300 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
+           --repeats 2 --mamba-step ;;
   candidate-decode) leg 300 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
            --repeats 2 --nvfp4-words ;;
   compare) # same card, same protocol: the baseline tree, then this one
