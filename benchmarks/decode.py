@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/decode.py [--layouts dense,NANO_FP8,NANO_NVFP4,MIXED]
         [--batches 1,8,32,64] [--prompt 128] [--steps 32] [--repeats 4] [--profile-batches 1]
-        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--nvfp4-words] [--mamba-step] [--no-gate]
-        [--out DIR]
+        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--nvfp4-words] [--mamba-step] [--routing-kernel]
+        [--no-gate] [--out DIR]
 
 Per layout (dense, or a quantiser recipe: NANO_FP8 / NANO_NVFP4 are the official selective layouts):
 1. The token gate of benchmarks/checks.py (fp32, reduced depth, real widths, against transformers).
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.candidates import mamba_step
+from benchmarks.candidates import mamba_step, routing
 from benchmarks.candidates.nvfp4_words import on_words
 from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import (add_model_args, bytes_per_step, compile_seconds, describe_layout, hbm_ceiling_gbs,
@@ -141,10 +141,14 @@ def main() -> int:
                     "nvfp4_words.py, in the gate, the layer check and the timed model alike")
     ap.add_argument("--mamba-step", action="store_true",
                     help="one-token Mamba steps on the candidate fused kernel of benchmarks/candidates/mamba_step.py")
+    ap.add_argument("--routing-kernel", action="store_true",
+                    help="MoE routing on the candidate kernel of benchmarks/candidates/routing.py")
     add_model_args(ap)
     args = ap.parse_args()
     if args.mamba_step:
         mamba_step.swap_in()
+    if args.routing_kernel:
+        routing.swap_in()
     if args.tiling:
         (_blocked.DEFAULT_TILING,) = parse_tilings(args.tiling)
     view = on_words if args.nvfp4_words else (lambda params: params)
@@ -174,7 +178,7 @@ def main() -> int:
                 log(f"[{layout}] batch {b}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
                 continue
             r.update(layout=layout, gate=gate_text, layer_check=errs, device=device, hbm_ceiling_gbs=ceiling,
-                     nvfp4_words=args.nvfp4_words, mamba_step=args.mamba_step)
+                     nvfp4_words=args.nvfp4_words, mamba_step=args.mamba_step, routing_kernel=args.routing_kernel)
             with jsonl.open("a") as f:
                 f.write(json.dumps(r) + "\n")
             line = (f"[{layout}] batch {b}: {r['ms_per_step']:.3f} ms/step, {r['ms_per_token']:.3f} ms/token, "

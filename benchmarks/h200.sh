@@ -14,9 +14,11 @@
 #                                     # tokens, errors against the dequantised reference
 #   bash benchmarks/h200.sh candidate-decode  # NANO_NVFP4 decode batches 1,32 on the candidate data path, gated
 #   bash benchmarks/h200.sh mamba-step  # NANO_NVFP4 decode batches 1,32 with the candidate fused Mamba step, gated
-#   bash benchmarks/h200.sh candidates  # one call for every candidate: the kernel tests on the GPU, the NVFP4 GEMV
-#                                     # fit of nvfp4 and nvfp4w, then NANO_NVFP4 batch-1 decode (ungated) as it is,
-#                                     # --mamba-step, --nvfp4-words and both; gate the winner with its own part
+#   bash benchmarks/h200.sh candidate-kernels  # the kernel tests on the GPU, and the NVFP4 GEMV fit of nvfp4 against
+#                                     # the candidate data path nvfp4w
+#   bash benchmarks/h200.sh candidates  # NANO_NVFP4 batch-1 decode, ungated, one process each: as it is, with each
+#                                     # candidate (--mamba-step, --routing-kernel, --nvfp4-words) and with all three;
+#                                     # then gate what won with its own part (or decode.py and its flags)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
@@ -61,15 +63,16 @@ case "${1:-}" in
     done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   candidate) leg 400 benchmarks/kernels.py --only moe1,moe32,scaling --formats nvfp4,nvfp4w ;;
-  candidates)
+  candidate-kernels)
     if python3 -c "import pytest" 2>/dev/null; then
-      PALLAS_KERNELS_IMPL=pallas timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+      PALLAS_KERNELS_IMPL=pallas timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
         -k "tiny or test_linear or single_token" 2>&1 | tail -3
     else
       echo "== no pytest on this machine: kernel tests not run"
     fi
-    leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,nvfp4w
-    for flags in "" "--mamba-step" "--nvfp4-words" "--mamba-step --nvfp4-words"; do
+    leg 200 benchmarks/kernels.py --only scaling --formats nvfp4,nvfp4w ;;
+  candidates)
+    for flags in "" "--mamba-step" "--routing-kernel" "--nvfp4-words" "--mamba-step --routing-kernel --nvfp4-words"; do
       echo "== decode.py ${flags:-as it is}"
       (OUT="$OUT/candidates${flags// /}" leg 110 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1 \
          --profile-batches "" --steps 32 --repeats 2 --no-gate $flags | grep "^\[")
