@@ -2,10 +2,10 @@
 
 Token-expert pairs are grouped by expert into blocks of `tm` rows (XLA, tiny; a single token gets one
 block per expert without the sort, every block reading the token's row); each kernel CTA indexes its
-block's expert from the block->expert table, so only the selected experts' weights are ever fetched, in their stored (packed) form: no
-gather of all experts, no dequantised copy, no dense pass over E as jax.lax.ragged_dot does. The
-weighted combine gathers each token's k expert rows and sums them (fp32, in a fixed order): no
-scatter-add, whose float atomics would add in a different order from run to run. Decode
+block's expert from the block->expert table, so only the selected experts' weights are ever fetched,
+in their stored (packed) form: no gather of all experts, no dequantised copy, no dense pass over E as
+jax.lax.ragged_dot does. The weighted combine gathers each token's k expert rows and sums them (fp32,
+in a fixed order): no scatter-add, whose float atomics would add in a different order from run to run. Decode
 uses 8-row blocks; prefill, with many tokens per expert, blocks of up to 64 rows, so an expert's
 weights are streamed once per 64 of its tokens (128-row blocks measured slower on the H200: prefill
 MoE is compute-bound there, and wider blocks waste more rows on the last, partly filled block). Two

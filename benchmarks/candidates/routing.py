@@ -54,8 +54,7 @@ def fused_route(x, router, bias, cfg):
     E = router.shape[0]
     if impl == "xla" or cfg.n_group > 1 or E & (E - 1):
         return _LIBRARY_ROUTE(x, router, bias, cfg)
-    logits = jnp.einsum("th,eh->te", x.astype(jnp.float32), router.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = moe.router_logits(x, router)
     T, k = x.shape[0], cfg.num_experts_per_tok
     kernel = functools.partial(_kernel, E=E, k=k, normalise=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
     return pl.pallas_call(

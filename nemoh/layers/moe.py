@@ -46,15 +46,19 @@ class MoEParams(Stateless):
         return moe_mixer(self, h, cfg, ctx.token_mask(), ctx.placement), state
 
 
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """x [T, H], router [E, H] -> x @ router^T [T, E] in fp32 (full-precision products)."""
+    return jnp.einsum("th,eh->te", x.astype(jnp.float32), router.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: NemotronHConfig) -> tuple[jax.Array, jax.Array]:
     """x [T, H] -> (expert ids [T, k] int32, routing weights [T, k] fp32).
 
     Scores are sigmoid(x @ router^T) in fp32; the correction bias only shifts the choice. With n_group
     > 1, a group scores the sum of its top-2 biased scores and only the best topk_group groups compete.
     """
-    logits = jnp.einsum("th,eh->te", x.astype(jnp.float32), router.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits)
+    scores = jax.nn.sigmoid(router_logits(x, router))
     choice = scores + bias.astype(jnp.float32)
     if cfg.n_group > 1:
         T, E = choice.shape
