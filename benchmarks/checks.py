@@ -67,9 +67,8 @@ def perturbed(params, factor: float = 1.001):
     return jax.tree.map(scale, params, is_leaf=is_quantized)
 
 
-def gate(layout: str, workdir: Path, dims: Path, view=None) -> str:
-    """Gate line for `layout` at reduced depth (see module docstring). view: a function of the loaded
-    params that the gated model runs through (e.g. a candidate kernel data path), or None."""
+def gate(layout: str, workdir: Path, dims: Path) -> str:
+    """Gate line for `layout` at reduced depth (see module docstring)."""
     use_this_interpreter_as_oracle_if_needed()
     from nemoh.io.dequantize import dequantize_checkpoint
     from nemoh.io.quantize import quantize_checkpoint
@@ -92,22 +91,21 @@ def gate(layout: str, workdir: Path, dims: Path, view=None) -> str:
     ref = [r["tokens"] for r in oracle.greedy([dict(model_dir=str(oracle_dir), prompts=prompts,
                                                     max_new_tokens=GATE_NEW_TOKENS, stop_token_ids=[],
                                                     dtype="float32")])[0]]
-    run = lambda p: nemoh.generate((view or (lambda q: q))(p), prompts, max_new_tokens=GATE_NEW_TOKENS,
-                                   ignore_eos=True)
+    run = lambda p: nemoh.generate(p, prompts, max_new_tokens=GATE_NEW_TOKENS, ignore_eos=True)
     ours32 = run(params32)
     stable = compare(run(perturbed(params32)), ours32)
     return (f"gate {GATE_PATTERN}, {GATE_EXPERTS} experts, vocab {GATE_VOCAB}: fp32 {compare(ours32, ref).line()}; "
             f"x1.001 margin check {stable.matched}/{stable.total}{' stable' if stable.strict else ' UNSTABLE'}")
 
 
-def gate_line(layout: str, workdir: Path, dims: Path, skip: bool, view=None) -> str:
+def gate_line(layout: str, workdir: Path, dims: Path, skip: bool) -> str:
     """The gate's line for `layout`: "ungated" when skipped, "GATE FAILED (...)" naming the error when
-    the gate could not run (the legs are still timed and carry that line). view: as in `gate`."""
+    the gate could not run (the legs are still timed and carry that line)."""
     if skip:
         return "ungated"
     t0 = time.perf_counter()
     try:
-        line = gate(layout, workdir, dims, view)
+        line = gate(layout, workdir, dims)
     except Exception as exc:  # noqa: BLE001 - a failed gate is reported on the leg's line
         line = f"GATE FAILED ({type(exc).__name__}: {str(exc)[:300]})"
     log(f"[{layout}] {line} ({time.perf_counter() - t0:.0f} s)")

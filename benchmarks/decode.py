@@ -2,8 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/decode.py [--layouts dense,NANO_FP8,NANO_NVFP4,MIXED]
         [--batches 1,8,32,64] [--prompt 128] [--steps 32] [--repeats 4] [--profile-batches 1]
-        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--nvfp4-words] [--mamba-step] [--routing-kernel]
-        [--no-gate] [--out DIR]
+        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--no-gate] [--out DIR]
 
 Per layout (dense, or a quantiser recipe: NANO_FP8 / NANO_NVFP4 are the official selective layouts):
 1. The token gate of benchmarks/checks.py (fp32, reduced depth, real widths, against transformers).
@@ -31,8 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.candidates import mamba_step, routing
-from benchmarks.candidates.nvfp4_words import on_words
 from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import (add_model_args, bytes_per_step, compile_seconds, describe_layout, hbm_ceiling_gbs,
                                model_setup, parse_tilings, peak_memory_bytes, wall_s)
@@ -136,22 +133,10 @@ def main() -> int:
                     help="also split a decode call's time into a fixed part and a part per step (1- and 64-step calls)")
     ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "tk=128,ctas_per_sm=8" '
                     "(default: each op's own choice)")
-    ap.add_argument("--nvfp4-words", action="store_true",
-                    help="weight-only NVFP4 projections on the candidate data path of benchmarks/candidates/"
-                    "nvfp4_words.py, in the gate, the layer check and the timed model alike")
-    ap.add_argument("--mamba-step", action="store_true",
-                    help="one-token Mamba steps on the candidate fused kernel of benchmarks/candidates/mamba_step.py")
-    ap.add_argument("--routing-kernel", action="store_true",
-                    help="MoE routing on the candidate kernel of benchmarks/candidates/routing.py")
     add_model_args(ap)
     args = ap.parse_args()
-    if args.mamba_step:
-        mamba_step.swap_in()
-    if args.routing_kernel:
-        routing.swap_in()
     if args.tiling:
         (_blocked.DEFAULT_TILING,) = parse_tilings(args.tiling)
-    view = on_words if args.nvfp4_words else (lambda params: params)
     out_dir, work, cfg, counts = model_setup(args)
     jsonl = out_dir / "decode.jsonl"
     md_path = out_dir / f"decode-{args.layouts.replace(',', '-')}.md"
@@ -165,9 +150,9 @@ def main() -> int:
     profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
     prefill_shapes = parse_shapes(args.prefill_shapes)
     for layout in args.layouts.split(","):
-        gate_text = gate_line(layout, work, Path(args.dims), args.no_gate, view)
+        gate_text = gate_line(layout, work, Path(args.dims), args.no_gate)
         jax.clear_caches()
-        params = view(random_params(cfg, layout, dtype=jnp.bfloat16))
+        params = random_params(cfg, layout, dtype=jnp.bfloat16)
         errs, check = layer_check_line(params, args.prompt)
         log(f"[{layout}] {check}; formats {describe_layout(params)}")
         for b in batches:
@@ -177,8 +162,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory at a large batch: report, go on
                 log(f"[{layout}] batch {b}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
                 continue
-            r.update(layout=layout, gate=gate_text, layer_check=errs, device=device, hbm_ceiling_gbs=ceiling,
-                     nvfp4_words=args.nvfp4_words, mamba_step=args.mamba_step, routing_kernel=args.routing_kernel)
+            r.update(layout=layout, gate=gate_text, layer_check=errs, device=device, hbm_ceiling_gbs=ceiling)
             with jsonl.open("a") as f:
                 f.write(json.dumps(r) + "\n")
             line = (f"[{layout}] batch {b}: {r['ms_per_step']:.3f} ms/step, {r['ms_per_token']:.3f} ms/token, "

@@ -10,15 +10,9 @@
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
-#   bash benchmarks/h200.sh candidate # NVFP4 against the candidate data path (nvfp4w): GEMV scaling, MoE 1 and 32
-#                                     # tokens, errors against the dequantised reference
-#   bash benchmarks/h200.sh candidate-decode  # NANO_NVFP4 decode batches 1,32 on the candidate data path, gated
-#   bash benchmarks/h200.sh mamba-step  # NANO_NVFP4 decode batches 1,32 with the candidate fused Mamba step, gated
-#   bash benchmarks/h200.sh candidate-kernels  # the kernel tests on the GPU, and the NVFP4 GEMV fit of nvfp4 against
-#                                     # the candidate data path nvfp4w
-#   bash benchmarks/h200.sh candidates  # NANO_NVFP4 batch-1 decode, ungated, one process each: as it is, with each
-#                                     # candidate (--mamba-step, --routing-kernel, --nvfp4-words) and with all three;
-#                                     # then gate what won with its own part (or decode.py and its flags)
+#   bash benchmarks/h200.sh kernel-tests  # the kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode)
+#   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
+#                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
@@ -62,25 +56,20 @@ case "${1:-}" in
          --steps 32 --repeats 2 --call-overhead)
     done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
-  candidate) leg 400 benchmarks/kernels.py --only moe1,moe32,scaling --formats nvfp4,nvfp4w ;;
-  candidate-kernels)
-    if python3 -c "import pytest" 2>/dev/null; then
-      PALLAS_KERNELS_IMPL=pallas timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-        -k "tiny or test_linear or single_token" 2>&1 | tail -3
-    else
-      echo "== no pytest on this machine: kernel tests not run"
-    fi
-    leg 200 benchmarks/kernels.py --only scaling --formats nvfp4,nvfp4w ;;
-  candidates)
-    for flags in "" "--mamba-step" "--routing-kernel" "--nvfp4-words" "--mamba-step --routing-kernel --nvfp4-words"; do
-      echo "== decode.py ${flags:-as it is}"
-      (OUT="$OUT/candidates${flags// /}" leg 110 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1 \
-         --profile-batches "" --steps 32 --repeats 2 --no-gate $flags | grep "^\[")
+  kernel-tests)
+    PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3 ;;
+  xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
+             # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion
+             # passes that fuse more, the decode loop itself recorded into the CUDA graph)
+    shift
+    [ $# -gt 0 ] || set -- --xla_gpu_enable_pdl=true "--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" \
+      --xla_gpu_experimental_enable_fusion_block_level_rewriter=true \
+      --xla_gpu_experimental_enable_same_shape_multi_output_fusion=true --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
+    for flags in "" "$@"; do
+      echo "== XLA_FLAGS=${flags}"
+      (export XLA_FLAGS="$flags"; OUT="$OUT/xla-flags$(echo "$flags" | md5sum | cut -c1-6)" leg 110 benchmarks/decode.py \
+         --layouts NANO_NVFP4 --batches 1 --profile-batches "" --steps 32 --repeats 2 --no-gate 2>&1 | grep "^\[\|rror")
     done ;;
-  mamba-step) leg 300 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
-           --repeats 2 --mamba-step ;;
-  candidate-decode) leg 300 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
-           --repeats 2 --nvfp4-words ;;
   compare) # same card, same protocol: the baseline tree, then this one
     if [ -d _old/nemoh ]; then
       (cd _old && echo "== _old tree $(tree_id)" && \

@@ -5,8 +5,6 @@ Cases: NVFP4 / FP8 / bf16 GEMV 2688 -> 10304 (mamba in_proj) at M=1, the same as
 and MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688; and 32 tokens, a batch-32 step, which
 reads most experts once) with bf16 / FP8 / NVFP4 experts; the MoE floor counts the experts selected.
 --only scaling: the M=1 GEMV for growing N, fitted to kernel µs = fixed cost + bytes / rate.
---formats: bf16, fp8, nvfp4, and nvfp4w (NVFP4 on the candidate data path of
-benchmarks/candidates/nvfp4_words.py).
 
 Timing: each jitted call runs the op over R rotated weight copies (or R expert selections), so the
 weights are not L2-resident and launch gaps are those of one compiled program; reported time is the
@@ -29,7 +27,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.candidates.nvfp4_words import NVFP4WordsWeight
 from benchmarks.common import hbm_ceiling_gbs, parse_tilings
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, is_quantized, linear, moe_experts, reference
 from pallas_kernels._blocked import Tiling, default_tk
@@ -113,12 +110,7 @@ def rotated(op, copies):
     return jax.jit(lambda x, ws: [op(x, w) for w in ws[:copies]])
 
 
-def rand_nvfp4_words(key, lead, n, k):
-    """rand_nvfp4's weight on the candidate data path (benchmarks/candidates/nvfp4_words.py)."""
-    return NVFP4WordsWeight.from_nvfp4(rand_nvfp4(key, lead, n, k))
-
-
-FORMATS = {"nvfp4": rand_nvfp4, "nvfp4w": rand_nvfp4_words, "fp8": rand_fp8, "bf16": rand_dense}
+FORMATS = {"nvfp4": rand_nvfp4, "fp8": rand_fp8, "bf16": rand_dense}
 
 
 EXTRA_TILINGS: list = []  # --tilings: what every case times besides the default (instead of the built-in sweep)
@@ -135,7 +127,7 @@ def matmul_cases(key, sweep, formats):
     op = lambda x, w, t: linear(x, w, impl=IMPL, tiling=t)
     for fmt in formats:
         mk = FORMATS[fmt]
-        copies = {"nvfp4": 8, "nvfp4w": 8, "fp8": 5, "bf16": 3}[fmt]
+        copies = {"nvfp4": 8, "fp8": 5, "bf16": 3}[fmt]
         ws = [mk(k, (), IN_PROJ, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, len(cases)), copies)]
         for m in (1, 512) if fmt != "bf16" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)

@@ -149,8 +149,6 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     x, row_exp = _activations(xb, fmt, arr.dtype)
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
-    if hasattr(fmt, "permute_activations"):  # a format whose decode yields K in its own order
-        x = fmt.permute_activations(x)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx,
                       interpret=interpret_params(impl))

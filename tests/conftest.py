@@ -9,7 +9,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
 import pytest
 
 from oracle_configs import build_all
@@ -64,12 +63,3 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 def demo_checkpoint() -> Path:
     """The shipped trained demo checkpoint (with tokenizer.json and a chat template)."""
     return DEMO_CHECKPOINT
-
-
-@pytest.fixture
-def as_hopper():
-    """Lower for an H100 on a CPU-only machine: Pallas' Triton lowering reads the GPU it targets from
-    the abstract mesh's device."""
-    hopper = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=hopper)):
-        yield

@@ -1,1 +1,0 @@
-"""Candidate kernel data paths, timed against the library's before one replaces it."""
