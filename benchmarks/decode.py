@@ -162,7 +162,8 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory at a large batch: report, go on
                 log(f"[{layout}] batch {b}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
                 continue
-            r.update(layout=layout, gate=gate_text, layer_check=errs, device=device, hbm_ceiling_gbs=ceiling)
+            r.update(layout=layout, gate=gate_text, layer_check=errs, device=device, hbm_ceiling_gbs=ceiling,
+                     tiling=args.tiling or "default")
             with jsonl.open("a") as f:
                 f.write(json.dumps(r) + "\n")
             line = (f"[{layout}] batch {b}: {r['ms_per_step']:.3f} ms/step, {r['ms_per_token']:.3f} ms/token, "
@@ -172,7 +173,7 @@ def main() -> int:
                     f"TTFT {r['ttft_s']:.3f} s, peak {r['peak_device_bytes'] / 2**30 if r['peak_device_bytes'] else 0:.1f} GiB"
                     + (", a call {fixed_ms_per_call:.2f} ms + {ms_per_step:.3f} ms a step".format(**r["call_overhead"])
                        if "call_overhead" in r else "")
-                    + f" | {gate_text} | {check}")
+                    + (f", tiling {args.tiling}" if args.tiling else "") + f" | {gate_text} | {check}")
             log(line)
             md.append(line)
             if "profile" in r:

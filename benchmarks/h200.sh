@@ -10,7 +10,8 @@
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
-#   bash benchmarks/h200.sh kernel-tests  # the kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode)
+#   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode, the
+#                                     # wgmma left in flight)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
@@ -19,7 +20,8 @@
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
 #   bash benchmarks/h200.sh variants  # NANO_NVFP4 decode batches 1,32, one process each: as it is (ungated) and with
-#                                     # the sampling cond as a CUDA-graph conditional (+CONDITIONAL, gated)
+#                                     # each K step's wgmma left in flight (--tiling mma_in_flight=1, gated)
+#   bash benchmarks/h200.sh in-flight # the weight kernels with and without the wgmma left in flight (kernels.py)
 #   bash benchmarks/h200.sh trace     # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in order,
 #                                     # batches 1 and 32 (benchmarks/step_trace.py), and the GEMV's fixed cost
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
@@ -57,7 +59,8 @@ case "${1:-}" in
     done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   kernel-tests)
-    PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3 ;;
+    PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+      -k "tiny or test_linear or single_token or in_flight" 2>&1 | tail -3 ;;
   xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
              # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion
              # passes that fuse more, the decode loop itself recorded into the CUDA graph)
@@ -82,16 +85,16 @@ case "${1:-}" in
     (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
        --repeats 2 --no-gate --call-overhead) ;;
   variants) # same card, same protocol: a candidate against the code as it is; the candidate gated (a leg
-            # takes ~135 s on the H200: batches 1 and 32, each compiling prefill and decode). The candidate:
-            # conditionals recorded into the CUDA graphs, so the sampling cond no longer waits on the host
-            # (slower on the H100 under serial scheduling: 3.820 against 3.714 ms; untried under CONCURRENT)
+            # takes ~135 s on the H200: batches 1 and 32, each compiling prefill and decode). The candidate
+            # (Tiling.mma_in_flight=1): each K step's wgmma left running while the next step decodes its weights
     echo "== default"
     (OUT="$OUT/default" leg 170 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
        --steps 32 --repeats 2 --no-gate | grep "^\[")
-    echo "== XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL"
-    (export XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL; OUT="$OUT/conditional" leg 250 \
-       benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \
-       | grep "^\[") ;;
+    echo "== --tiling mma_in_flight=1"
+    (OUT="$OUT/in-flight" leg 250 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
+       --steps 32 --repeats 2 --tiling mma_in_flight=1 | grep "^\[") ;;
+  in-flight) # the kernels alone, each with and without the wgmma left in flight: GEMV fit, MoE at 1 and 32 tokens
+    leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 --tilings mma_in_flight=1 ;;
   trace) for b in 1 32; do leg 170 benchmarks/step_trace.py --batch $b; done
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
@@ -103,7 +106,7 @@ case "${1:-}" in
           [ -d "$tree/nemoh" ] || continue
           name=$(basename "$(cd "$tree" && pwd)"); dump=/tmp/nemoh-thunks-$name; rm -rf "$dump"; echo "== $tree"
           (cd "$tree" && env PYTHONPATH=. NEMOH_COMPILATION_CACHE=0 \
-             XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_decode.*" \
+             XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_decode.*" \
              timeout 200 python3 benchmarks/decode.py --layouts NANO_NVFP4 --pattern "MEMEM*EMEMEM*" --batches 1 \
                --profile-batches 1 --steps 32 --repeats 2 --no-gate --out "$OUT/idle-$name" 2>&1 \
              | quiet | grep "batch 1:\|sum of kernels\|idle between")

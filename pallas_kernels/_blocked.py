@@ -30,13 +30,15 @@ MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are st
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """Kernel tiling: tk streamed weight elements per K step (None: default_tk's choice), pipeline
-    depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode."""
+    depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode, and
+    how many K steps' wgmma may still run while the next step decodes (0: each step waits for its own)."""
 
     tk: int | None = None
     stages: int = 4
     stage_a: bool = False
     ctas_per_sm: int = 4
     ptx: bool = True
+    mma_in_flight: int = 0
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -151,7 +153,7 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx,
-                      interpret=interpret_params(impl))
+                      mma_in_flight=tiling.mma_in_flight, interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.
         out = jax.block_until_ready(out)

@@ -284,7 +284,7 @@ def test_kernels_lower_for_the_gpu(fmt):
         x = _x(rng, (rows, 2688), jnp.bfloat16)
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(x, w)
     # decode blocks of 8 rows, prefill blocks of 64; and the long K step that big decode grids take
-    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128))):
+    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(mma_in_flight=1))):
         idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
         export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas", tiling=tiling)), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
@@ -304,6 +304,40 @@ def test_k_steps_past_the_activations(fmt, tk, ctas_per_sm, monkeypatch):
     _, splits, k_total = _plan(fmt_class, (w.stream()[0] if fmt_class else w).dtype, 320, 8, 1, 1, tiling)
     assert splits > 1 and k_total - 320 >= 64, (splits, k_total)  # a whole step of each split-K plan past K
     _check(linear(x, w, impl=IMPL, tiling=tiling), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
+@pytest.mark.parametrize("tk,stages", [(None, 4), (32, 2)])
+def test_wgmma_left_in_flight(fmt, tk, stages, monkeypatch):
+    """With each K step's wgmma left running into the next step (mma_in_flight=1) the pipeline frees a
+    step's SMEM tiles one step later; the interpreter runs wgmma at once, so this checks that bookkeeping
+    (the same products as waiting each step, over split-K plans of one and of several steps a split, and
+    a two-stage pipeline), not the overlap itself, which only the GPU runs."""
+    monkeypatch.setattr(_blocked, "num_sms", lambda: 1)
+    rng = _rng(12)
+    w = WEIGHTS[fmt](rng, (), 128, 320)
+    tk = tk if tk is None or fmt == "nvfp4" else 2 * tk
+    for rows in (1, 3):
+        x = _x(rng, (rows, 320), jnp.bfloat16)
+        for ctas_per_sm in (1, 8):  # one split of every step; or as many splits as steps
+            waiting = linear(x, w, impl=IMPL, tiling=Tiling(tk=tk, stages=stages, ctas_per_sm=ctas_per_sm))
+            in_flight = linear(x, w, impl=IMPL, tiling=Tiling(tk=tk, stages=stages, ctas_per_sm=ctas_per_sm,
+                                                              mma_in_flight=1))
+            np.testing.assert_array_equal(np.asarray(in_flight, np.float32), np.asarray(waiting, np.float32))
+            _check(in_flight, _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
+
+
+def test_wgmma_in_flight_needs_register_operands():
+    """A staged A operand has one SMEM buffer, which the next step would overwrite while the wgmma in
+    flight reads it: refused, as are more steps in flight than the pipeline holds."""
+    rng = _rng(13)
+    x, w = _x(rng, (1, 320), jnp.bfloat16), WEIGHTS["nvfp4"](rng, (), 128, 320)
+    with pytest.raises(ValueError, match="A from registers"):
+        linear(x, w, impl=IMPL, tiling=Tiling(mma_in_flight=1, stage_a=True))
+    with pytest.raises(ValueError, match="mma_in_flight=2"):
+        linear(x, w, impl=IMPL, tiling=Tiling(mma_in_flight=2))
+    with pytest.raises(ValueError, match="below stages=1"):
+        linear(x, w, impl=IMPL, tiling=Tiling(mma_in_flight=1, stages=1))
 
 
 def test_nvfp4_long_k_steps_only_where_the_grid_fills_the_gpu():
