@@ -7,15 +7,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # python3.12: pyenv's 3.12.1 when pyenv has it, else python3.12 on PATH.
-if command -v pyenv >/dev/null 2>&1 && pyenv prefix 3.12.1 >/dev/null 2>&1; then
-    PYTHON="$(pyenv prefix 3.12.1)/bin/python3.12"
-else
-    PYTHON="$(command -v python3.12 || true)"
-fi
-if [ -z "$PYTHON" ] || [ ! -x "$PYTHON" ]; then
-    echo "setup.sh: python3.12 not found (install it, or pyenv install 3.12.1)" >&2
-    exit 1
-fi
+. scripts/find_python.sh
+find_python 3.12.1
 
 STAMP=.venv/.nemoh-setup-stamp
 WANT="$(sha256sum pyproject.toml | cut -d' ' -f1) $("$PYTHON" -c 'import sys; print(sys.version.split()[0])')"

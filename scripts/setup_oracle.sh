@@ -30,15 +30,8 @@ if [ -x "$VENV/bin/python" ] && installed; then
 fi
 
 # python3.11: pyenv's 3.11.7 when pyenv has it, else python3.11 on PATH.
-if command -v pyenv >/dev/null 2>&1 && pyenv prefix 3.11.7 >/dev/null 2>&1; then
-    PYTHON="$(pyenv prefix 3.11.7)/bin/python3.11"
-else
-    PYTHON="$(command -v python3.11 || true)"
-fi
-if [ -z "$PYTHON" ] || [ ! -x "$PYTHON" ]; then
-    echo "setup_oracle.sh: python3.11 not found (install it, or pyenv install 3.11.7)" >&2
-    exit 1
-fi
+. scripts/find_python.sh
+find_python 3.11.7
 
 if ! "$VENV/bin/python" -c '' >/dev/null 2>&1; then
     rm -rf "$VENV"
