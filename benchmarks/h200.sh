@@ -19,8 +19,9 @@
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
-#   bash benchmarks/h200.sh variants  # NANO_NVFP4 decode batches 1,32, one process each: as it is (ungated) and with
-#                                     # each K step's wgmma left in flight (--tiling mma_in_flight=1, gated)
+#   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
+#                                     # others (default: the wgmma left in flight) in one process, calls
+#                                     # interleaved, every variant gated (benchmarks/ab.py)
 #   bash benchmarks/h200.sh in-flight # the weight kernels with and without the wgmma left in flight (kernels.py)
 #   bash benchmarks/h200.sh trace     # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in order,
 #                                     # batches 1 and 32 (benchmarks/step_trace.py), and the GEMV's fixed cost
@@ -84,15 +85,9 @@ case "${1:-}" in
     echo "== this tree"
     (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
        --repeats 2 --no-gate --call-overhead) ;;
-  variants) # same card, same protocol: a candidate against the code as it is; the candidate gated (a leg
-            # takes ~135 s on the H200: batches 1 and 32, each compiling prefill and decode). The candidate
-            # (Tiling.mma_in_flight=1): each K step's wgmma left running while the next step decodes its weights
-    echo "== default"
-    (OUT="$OUT/default" leg 170 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
-       --steps 32 --repeats 2 --no-gate | grep "^\[")
-    echo "== --tiling mma_in_flight=1"
-    (OUT="$OUT/in-flight" leg 250 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
-       --steps 32 --repeats 2 --tiling mma_in_flight=1 | grep "^\[") ;;
+  variants) # kernel tilings against the default in one process, timed calls interleaved (benchmarks/ab.py), each
+             # variant gated; the tilings after the part's name (default: the wgmma left in flight)
+    leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --tilings "${2:-mma_in_flight=1}" --rounds 6 ;;
   in-flight) # the kernels alone, each with and without the wgmma left in flight: GEMV fit, MoE at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 --tilings mma_in_flight=1 ;;
   trace) for b in 1 32; do leg 170 benchmarks/step_trace.py --batch $b; done

@@ -106,3 +106,34 @@ def test_tiling_specs_parse_to_tilings_and_bad_names_are_refused():
         parse_tilings("tiles=4")
     with pytest.raises(ValueError, match="tk="):
         parse_tilings("tk=")
+
+
+def test_ab_traces_each_variant_under_its_own_tiling():
+    """benchmarks/ab.py's with_tiling: a program traced inside sees that tiling as every op's default,
+    even when the same function was traced before under another (caches are cleared), and the default
+    comes back afterwards, also when tracing fails."""
+    from benchmarks.ab import with_tiling
+    from pallas_kernels import _blocked
+
+    seen = []
+    traced = jax.jit(lambda x: seen.append(_blocked.DEFAULT_TILING) or x + 1)
+    default = _blocked.DEFAULT_TILING
+    for tiling in (Tiling(mma_in_flight=1), Tiling(ctas_per_sm=8)):
+        with_tiling(tiling, lambda: traced.lower(jnp.zeros(3)).compile())
+    assert seen == [Tiling(mma_in_flight=1), Tiling(ctas_per_sm=8)] and _blocked.DEFAULT_TILING is default
+    with pytest.raises(ZeroDivisionError):
+        with_tiling(Tiling(stages=2), lambda: 1 / 0)
+    assert _blocked.DEFAULT_TILING is default
+
+
+def test_ab_compares_variants_call_by_call():
+    """benchmarks/ab.py on a tiny model (CPU figures: only their shape is checked): one median and one
+    ratio to the default per variant, the default's own ratio 1, and the same greedy tokens where the
+    tiling changes no value."""
+    from benchmarks.ab import compare_batch
+
+    r = compare_batch(random_params(CONFIG, "NANO_NVFP4"), {"default": Tiling(), "in flight": Tiling(mma_in_flight=1)},
+                      batch=2, prompt=5, steps=2, rounds=2)
+    a, b = r["variants"]["default"], r["variants"]["in flight"]
+    assert a["ratio_to_a"] == [1.0, 1.0, 1.0] and len(b["ms_per_call_step"]) == 2 and b["ms_per_step"] > 0
+    assert a["tokens_equal_a"] and b["tokens_equal_a"]

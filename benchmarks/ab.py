@@ -1,0 +1,133 @@
+"""Kernel tilings compared on the decode step in one process: one model, one compiled decode program per
+tiling, timed calls interleaved A B B A ..., so drift and the spread between processes (0.07-0.17 ms
+on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
+
+    PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] --tilings "mma_in_flight=1"
+        [--steps 32] [--rounds 4] [--no-gate] [--out DIR]
+
+Variant A is the default tiling, each --tilings entry (';' between them; benchmarks/common.py's
+parse_tilings) a B. Per variant: the token gate of benchmarks/checks.py under that tiling (fp32, reduced
+depth, real widths, against transformers) and the full-width layer check. Per batch: random prompts
+prefilled once per variant (same prompts), then per round one timed `steps`-step call of each variant;
+the result is each variant's median ms/step and the median, min and max over rounds of its ratio to A
+in the same round, and whether its greedy tokens equal A's (a tiling that changes the split-K sums may
+change roundings, so a mismatch is reported, not failed). Results: ab.jsonl and ab-<layout>.md in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.checks import gate_line, layer_check_line, log
+from benchmarks.common import add_model_args, model_setup, parse_tilings
+from nemoh.engine.decode import _decode, finish_compiling
+from nemoh.engine.kv_pages import CacheSpec
+from nemoh.engine.prefill import prefill
+from nemoh.engine.sampling import Sampling
+from nemoh.gate import default_prompts
+from nemoh.random_params import random_params
+from pallas_kernels import _blocked
+
+
+def with_tiling(tiling, fn):
+    """fn() traced with `tiling` as every op's default (ops read it while tracing; caches cleared so
+    nothing traced under another tiling is reused)."""
+    default = _blocked.DEFAULT_TILING
+    _blocked.DEFAULT_TILING = tiling
+    jax.clear_caches()
+    try:
+        return fn()
+    finally:
+        _blocked.DEFAULT_TILING = default
+
+
+def compare_batch(params, variants: dict, batch: int, prompt: int, steps: int, rounds: int) -> dict:
+    """Per variant: median ms/step; per B: median/min/max of its per-round ratio to A, tokens equal to A's."""
+    prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [prompt] * batch, seed=batch)]
+    carries = {}
+    for name in variants:  # prefill under the default tiling: the prefill program is not compared
+        carries[name] = prefill(params, prompts, max_new_tokens=steps * (rounds + 1) + 2, sampling=Sampling(),
+                                stop_ids=(), seed=0, cache=CacheSpec())
+    finish_compiling()  # the decode program prefill compiles ahead is traced under the default tiling
+    programs = {name: with_tiling(t, lambda: _decode.lower(params, carries[name], np.int32(steps)).compile())
+                for name, t in variants.items()}
+
+    def call(name):
+        t0 = time.perf_counter()
+        carries[name] = programs[name](params, carries[name], np.int32(steps))
+        jax.block_until_ready(carries[name].tokens)
+        return (time.perf_counter() - t0) / steps
+
+    for name in variants:  # warm-up call of each
+        call(name)
+    names, per_step = list(variants), {name: [] for name in variants}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            per_step[name].append(call(name))
+    a = names[0]
+    out = {"batch": batch, "prompt": prompt, "steps": steps, "rounds": rounds, "variants": {}}
+    for name in names:
+        ratios = [b / x for b, x in zip(per_step[name], per_step[a])]
+        same = bool(np.array_equal(np.asarray(carries[name].sequences), np.asarray(carries[a].sequences)))
+        out["variants"][name] = {"ms_per_step": 1e3 * statistics.median(per_step[name]),
+                                 "ms_per_call_step": [1e3 * s for s in per_step[name]],
+                                 "ratio_to_a": [statistics.median(ratios), min(ratios), max(ratios)],
+                                 "tokens_equal_a": same}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", default="NANO_NVFP4")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--tilings", required=True, help='the B variants, e.g. "mma_in_flight=1;ctas_per_sm=8"')
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=4)
+    add_model_args(ap)
+    args = ap.parse_args()
+    tilings = parse_tilings(args.tilings)
+    variants = {"default": _blocked.Tiling(), **{s: t for s, t in zip(args.tilings.split(";"), tilings)}}
+    out_dir, work, cfg, _ = model_setup(args)
+    device = jax.devices()[0].device_kind
+    md = [f"device {device}, jax {jax.__version__}; model {cfg.pattern} ({cfg.num_layers} layers), bf16, "
+          f"{args.layout}, prompt {args.prompt}, {args.rounds} rounds of {args.steps}-step calls", ""]
+    checks = {}
+    for name, tiling in variants.items():
+        gate = with_tiling(tiling, lambda: gate_line(args.layout, work, Path(args.dims),
+                                                     args.no_gate))
+        checks[name] = gate
+    params = random_params(cfg, args.layout, dtype=jnp.bfloat16)
+    for name, tiling in variants.items():
+        _, line = with_tiling(tiling, lambda: layer_check_line(params, args.prompt))
+        checks[name] = f"{checks[name]} | {line}"
+        log(f"[{name}] {checks[name]}")
+        md.append(f"- {name}: {checks[name]}")
+    md.append("")
+    for b in (int(x) for x in args.batches.split(",")):
+        r = compare_batch(params, variants, b, args.prompt, args.steps, args.rounds)
+        r.update(layout=args.layout, device=device, checks=checks)
+        with (out_dir / "ab.jsonl").open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        for name, v in r["variants"].items():
+            med, lo, hi = v["ratio_to_a"]
+            line = (f"[{args.layout}] batch {b} {name}: {v['ms_per_step']:.3f} ms/step, "
+                    f"x{med:.3f} of default (rounds x{lo:.3f}-x{hi:.3f}), tokens "
+                    f"{'equal to' if v['tokens_equal_a'] else 'DIFFER from'} default's | {checks[name]}")
+            log(line)
+            md.append(line)
+    (out_dir / f"ab-{args.layout}.md").write_text("\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
