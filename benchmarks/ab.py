@@ -10,8 +10,10 @@ parse_tilings) a B. Per variant: the token gate of benchmarks/checks.py under th
 depth, real widths, against transformers) and the full-width layer check. Per batch: random prompts
 prefilled once per variant (same prompts), then per round one timed `steps`-step call of each variant;
 the result is each variant's median ms/step and the median, min and max over rounds of its ratio to A
-in the same round, and whether its greedy tokens equal A's (a tiling that changes the split-K sums may
-change roundings, so a mismatch is reported, not failed). Results: ab.jsonl and ab-<layout>.md in --out.
+in the same round, and whether its greedy tokens equal A's: a tiling that changes the split-K sums may
+change roundings, so a mismatch is reported, not failed; for tilings whose products are the default's
+bit for bit (mma_in_flight, bf16_operands) it flags a fault, and it is the check that reaches
+bf16_operands, which the float32 gate does not. Results: ab.jsonl and ab-<layout>.md in --out.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode, the
-#                                     # wgmma left in flight)
+#                                     # wgmma left in flight, bf16 operands)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
@@ -20,9 +20,9 @@
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
 #   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
-#                                     # others (default: the wgmma left in flight) in one process, calls
-#                                     # interleaved, every variant gated (benchmarks/ab.py)
-#   bash benchmarks/h200.sh in-flight # the weight kernels with and without the wgmma left in flight (kernels.py)
+#                                     # others (default: the wgmma left in flight; bf16 operands) in one process,
+#                                     # calls interleaved, every variant gated (benchmarks/ab.py)
+#   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
 #   bash benchmarks/h200.sh trace     # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in order,
 #                                     # batches 1 and 32 (benchmarks/step_trace.py), and the GEMV's fixed cost
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
@@ -61,7 +61,7 @@ case "${1:-}" in
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   kernel-tests)
     PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-      -k "tiny or test_linear or single_token or in_flight" 2>&1 | tail -3 ;;
+      -k "tiny or test_linear or single_token or in_flight or bf16_operands" 2>&1 | tail -3 ;;
   xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
              # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion
              # passes that fuse more, the decode loop itself recorded into the CUDA graph)
@@ -86,10 +86,13 @@ case "${1:-}" in
     (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
        --repeats 2 --no-gate --call-overhead) ;;
   variants) # kernel tilings against the default in one process, timed calls interleaved (benchmarks/ab.py), each
-             # variant gated; the tilings after the part's name (default: the wgmma left in flight)
-    leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --tilings "${2:-mma_in_flight=1}" --rounds 6 ;;
-  in-flight) # the kernels alone, each with and without the wgmma left in flight: GEMV fit, MoE at 1 and 32 tokens
-    leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 --tilings mma_in_flight=1 ;;
+             # variant gated; the tilings after the part's name (default: the wgmma left in flight; bf16 operands)
+    leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --tilings "${2:-mma_in_flight=1;bf16_operands=true}" \
+      --rounds 6 ;;
+  kernel-variants) # the kernels alone under the default tiling and the candidates of `variants`: GEMV fit, MoE
+                   # at 1 and 32 tokens
+    leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \
+      --tilings "mma_in_flight=1;bf16_operands=true" ;;
   trace) for b in 1 32; do leg 170 benchmarks/step_trace.py --batch $b; done
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;

@@ -7,8 +7,10 @@ Quantised weights decode to exact float16 values (the cheapest exact decode: the
 conversion is one instruction), so activations go to the kernel as float16 rescaled per row by a power
 of two (max |x| of each row becomes < 1, or < 4 for rows beyond 2**126; undone on the f32 output):
 exact for bf16 values down to 2**-14 of their row's max, below that f16 subnormals keep fewer bits (an
-absolute error under 2**-25 of the row max); f32 activations are rounded to 11 bits. Dense weights use
-their own dtype (bf16/f16).
+absolute error under 2**-25 of the row max); f32 activations are rounded to 11 bits. With
+Tiling.bf16_operands, bf16 activations go to the kernel as they are and quantised weights decode to
+exact bfloat16 instead: no rescale (two XLA launches a projection: the rows' max, the conversion), a
+few more decode instructions. Dense weights use their own dtype (bf16/f16).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are st
 class Tiling:
     """Kernel tiling: tk streamed weight elements per K step (None: default_tk's choice), pipeline
     depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode, and
-    how many K steps' wgmma may still run while the next step decodes (0: each step waits for its own)."""
+    how many K steps' wgmma may still run while the next step decodes (0: each step waits for its own),
+    and whether quantised weights decode to bfloat16 for bf16 activations (see the module docstring)."""
 
     tk: int | None = None
     stages: int = 4
@@ -39,6 +42,7 @@ class Tiling:
     ctas_per_sm: int = 4
     ptx: bool = True
     mma_in_flight: int = 0
+    bf16_operands: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -96,10 +100,12 @@ def pow2(e):
     return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
-def _activations(xb, fmt, w_dtype):
+def _activations(xb, fmt, w_dtype, bf16_operands: bool):
     """The kernel's activation operand and per-row exponents to undo on the output (or None)."""
     if fmt is None:
         return xb.astype(w_dtype), None
+    if bf16_operands and xb.dtype == jnp.bfloat16:
+        return xb, None
     xf = xb.astype(jnp.float32)
     row_exp = row_exponent(jnp.max(jnp.abs(xf), axis=-1))
     return (xf * pow2(-row_exp)[..., None]).astype(jnp.float16), row_exp
@@ -148,7 +154,9 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     n = w.shape[-2]
     fmt, arr, scale, post = _weight_operands(w)
     tk, splits, k_total = _plan(fmt, arr.dtype, k, tm, arr.shape[1] // TN, num_blocks, tiling)
-    x, row_exp = _activations(xb, fmt, arr.dtype)
+    x, row_exp = _activations(xb, fmt, arr.dtype, tiling.bf16_operands)
+    if fmt is not None:
+        post = post / fmt.operand_unit(x.dtype)
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,

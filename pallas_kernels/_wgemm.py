@@ -10,7 +10,8 @@ written back).
 
 Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats, or another
 class with its interface):
-  x      [B, tm, K] in the MMA dtype (dense: the weight's dtype; quantised: float16, what they decode to)
+  x      [B, tm, K] in the MMA dtype (dense: the weight's dtype; quantised: float16 or bfloat16, which the
+         weight decodes to)
   w      [E, N, Kw] streamed weight elements (Kw = K / fmt.K_PER_ELEMENT)
   scale  [E, K/16, N] block scales streamed with the codes (formats with ELEMENTS_PER_SCALE_ROW), or None
 Each K step streams a (64, tk) weight tile, its (tk / ELEMENTS_PER_SCALE_ROW, 64) scale tile and a
@@ -103,8 +104,8 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     stage_a = (stage_a or interpret is not None) and fmt is not None
     ptx = ptx and interpret is None
     mma_dtype = x.dtype
-    if fmt is not None and mma_dtype != jnp.float16:
-        raise ValueError(f"quantised weights decode to float16: x must be float16, got {mma_dtype}")
+    if fmt is not None and mma_dtype not in (jnp.float16, jnp.bfloat16):
+        raise ValueError(f"quantised weights decode to float16 or bfloat16 (x's dtype), got x in {mma_dtype}")
 
     def wgemm(eid_ref, x_ref, w_ref, *refs):
         s_ref, refs = (refs[0], refs[1:]) if n_scale else (None, refs)
@@ -122,7 +123,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                     else:
                         codes = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
                         rows = [plgpu.load(s_smem[0].at[c], layout=_ROW, optimized=False) for c in range(n_scale)]
-                        a = fmt.decode_tile(codes, rows, ptx)
+                        a = fmt.decode_tile(codes, rows, ptx, mma_dtype)
                         if stage_a:
                             a_smem[...] = a
                             plgpu.commit_smem()

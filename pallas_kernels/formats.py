@@ -62,24 +62,52 @@ def e2m1_pair_to_f16(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _e2m1_pair_to_f16_ptx(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
     """e2m1_pair_to_f16 on Mosaic GPU registers in hand-written PTX: four codes a 32-bit op (two registers
     of the WGMMA layout at a time), then cvt.rn.f16x2.e4m3x2. GPU only (the interpreter has no PTX)."""
+    first = {"lo": ("shl.b32 %nv_a, $1, 2;", "shl.b32 %nv_b, $1, 4;"), "hi": ("shr.b32 %nv_a, $1, 2;", "mov.b32 %nv_b, $1;")}
+    ptx = {k: [sa, "and.b32 %nv_a, %nv_a, 0x1C1C1C1C;", sb, "and.b32 %nv_b, %nv_b, 0x80808080;",
+               "or.b32 %nv_a, %nv_a, %nv_b;", "mov.b32 {%nv_h0, %nv_h1}, %nv_a;",
+               "cvt.rn.f16x2.e4m3x2 %nv_r0, %nv_h0;", "cvt.rn.f16x2.e4m3x2 %nv_r1, %nv_h1;"]
+           for k, (sa, sb) in first.items()}
+    return _ptx_decode(codes, ptx, jnp.float16)
+
+
+def _e2m1_pair_to_bf16_ptx(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 codes on Mosaic GPU registers -> (low-nibble, high-nibble) values times 2**-126 as bfloat16,
+    in hand-written PTX: each code's sign, exponent and mantissa bits placed straight into a bfloat16
+    (e2m1 zero and 0.5 land on bfloat16 zero and its subnormal 2**-127). Each 16-bit half of a word is
+    spread to a 32-bit word with one prmt, then two shifts and masks a bf16x2 pair. GPU only."""
+    # bytes 0, 1 of the word to bytes 0, 2 of %nv_u; bytes 2, 3 to bytes 0, 2 of %nv_w (the others zero)
+    spread = ["mov.b32 %nv_b, 0;", "prmt.b32 %nv_u, $1, %nv_b, 0x4140;", "prmt.b32 %nv_w, $1, %nv_b, 0x4342;"]
+    # per bf16x2 result: magnitude bits (code bits 0-2 or 4-6) to bits 6-8, the sign (bit 3 or 7) to bit 15
+    shifts = {"lo": (6, 12), "hi": (2, 8)}
+    ptx = {}
+    for k, (mag, sign) in shifts.items():
+        body = list(spread)
+        for src, dst in (("%nv_u", "%nv_r0"), ("%nv_w", "%nv_r1")):
+            body += [f"shl.b32 %nv_a, {src}, {mag};", "and.b32 %nv_a, %nv_a, 0x01C001C0;",
+                     f"shl.b32 %nv_b, {src}, {sign};", "and.b32 %nv_b, %nv_b, 0x80008000;",
+                     f"or.b32 {dst}, %nv_a, %nv_b;"]
+        ptx[k] = body
+    return _ptx_decode(codes, ptx, jnp.bfloat16)
+
+
+def _ptx_decode(codes: jax.Array, programs: dict[str, list[str]], dtype) -> tuple[jax.Array, jax.Array]:
+    """Run each PTX program of `programs` ("lo", "hi") on every pair of WGMMA-layout registers of uint8
+    `codes` (a 32-bit word $1 of four codes) into two 16-bit-pair registers %nv_r0, %nv_r1 of `dtype`:
+    the (lo, hi) arrays, in codes' layout."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    first = {"lo": ("shl.b32 %nv_a, $1, 2;", "shl.b32 %nv_b, $1, 4;"), "hi": ("shr.b32 %nv_a, $1, 2;", "mov.b32 %nv_b, $1;")}
-    ptx = {k: "\n".join(["{", ".reg .b32 %nv_a, %nv_b, %nv_r0, %nv_r1;", ".reg .b16 %nv_h0, %nv_h1;", sa,
-                         "and.b32 %nv_a, %nv_a, 0x1C1C1C1C;", sb, "and.b32 %nv_b, %nv_b, 0x80808080;",
-                         "or.b32 %nv_a, %nv_a, %nv_b;", "mov.b32 {%nv_h0, %nv_h1}, %nv_a;",
-                         "cvt.rn.f16x2.e4m3x2 %nv_r0, %nv_h0;", "cvt.rn.f16x2.e4m3x2 %nv_r1, %nv_h1;",
-                         "mov.b64 $0, {%nv_r0, %nv_r1};", "}"])
-           for k, (sa, sb) in first.items()}
-    out_ty = plgpu.ShapeDtypeStruct(codes.shape, jnp.float16, layout=plgpu.Layout.WGMMA)
+    ptx = {k: "\n".join(["{", ".reg .b32 %nv_a, %nv_b, %nv_u, %nv_w, %nv_r0, %nv_r1;", ".reg .b16 %nv_h0, %nv_h1;",
+                         *body, "mov.b64 $0, {%nv_r0, %nv_r1};", "}"])
+           for k, body in programs.items()}
+    out_ty = plgpu.ShapeDtypeStruct(codes.shape, dtype, layout=plgpu.Layout.WGMMA)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out_ty, out_ty))
     def decode(_, c):
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        f16x4 = ir.VectorType.get((4,), ir.F16Type.get())
+        x4 = ir.VectorType.get((4,), ir.F16Type.get() if dtype == jnp.float16 else ir.BF16Type.get())
         regs = list(c.registers.flat)
         if len(regs) % 2:
             raise ValueError(f"PTX e2m1 decode pairs registers: got {len(regs)} for shape {c.shape}")
@@ -88,7 +116,7 @@ def _e2m1_pair_to_f16_ptx(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
             pair = mgpu.utils.vector_concat(regs[i:i + 2])  # vector<4xi8>
             word = mgpu.utils.bitcast(pair, i32)
             for k, asm in ptx.items():
-                res = mgpu.utils.bitcast(llvm.inline_asm(i64, [word], asm, "=l,r"), f16x4)
+                res = mgpu.utils.bitcast(llvm.inline_asm(i64, [word], asm, "=l,r"), x4)
                 outs[k] += [mgpu.utils.vector_slice(res, slice(0, 2)), mgpu.utils.vector_slice(res, slice(2, 4))]
         def array(registers):
             grid = np.empty(len(registers), dtype=object)
@@ -189,9 +217,16 @@ class FP8Weight:
         return self.data, None, self.scale
 
     @staticmethod
-    def decode_tile(codes: jax.Array, scale_rows: list[jax.Array], ptx: bool) -> jax.Array:
-        """codes [64, tk] e4m3 -> exact float16 [64, tk] MMA operand (one hardware conversion a pair)."""
-        return codes.astype(jnp.float16)
+    def operand_unit(dtype) -> float:
+        """decode_tile's operand is W / scale times this (exact e4m3 values in either MMA dtype)."""
+        return 1.0
+
+    @staticmethod
+    def decode_tile(codes: jax.Array, scale_rows: list[jax.Array], ptx: bool, dtype=jnp.float16) -> jax.Array:
+        """codes [64, tk] e4m3 -> the exact [64, tk] MMA operand in dtype (float16: one hardware conversion
+        a pair; bfloat16: through float16)."""
+        f16 = codes.astype(jnp.float16)
+        return f16 if dtype == jnp.float16 else f16.astype(dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -264,27 +299,44 @@ class NVFP4Weight:
         return (values * scales * glob).reshape(*lead, out, 2 * half).astype(dtype)
 
     def stream(self) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-        """The output scale includes 1 / E2M1_UNIT: decode_tile leaves W's values times E2M1_UNIT (no
-        multiply per block scale in the kernel; one on the f32 output instead)."""
-        return self.packed, self.scale, self.global_scale / E2M1_UNIT
+        """(packed codes, block scales, per-tensor output scale); the kernel's caller also divides the
+        output by operand_unit."""
+        return self.packed, self.scale, self.global_scale
 
     @staticmethod
-    def decode_tile(codes: jax.Array, scale_rows: list[jax.Array], ptx: bool) -> jax.Array:
+    def operand_unit(dtype) -> float:
+        """decode_tile's operand is W / global_scale times this: E2M1_UNIT in float16 (no multiply per block
+        scale in the kernel; one on the f32 output instead), E2M1_UNIT / 2 in bfloat16."""
+        return E2M1_UNIT if dtype == jnp.float16 else E2M1_UNIT / 2
+
+    @staticmethod
+    def decode_tile(codes: jax.Array, scale_rows: list[jax.Array], ptx: bool, dtype=jnp.float16) -> jax.Array:
         """codes [64, 8g] uint8 (g blocks), scale_rows: g per-row e4m3 block scales [64] -> the
-        [64, 16g] float16 MMA operand, W's values (before the global scale) times E2M1_UNIT, exact
-        (at least 2**-16, at most 6 significant bits: float16 subnormals hold them). ptx: decode in
-        hand-written PTX (GPU only).
+        [64, 16g] MMA operand in dtype: W's values (before the global scale) times operand_unit(dtype),
+        exact (float16: at least 2**-16, at most 6 significant bits, which float16 subnormals hold;
+        bfloat16: all normal). ptx: decode in hand-written PTX (GPU only).
 
         Block c's low nibbles are W columns 16c..16c+7 and its high nibbles 16c+8..16c+15; concatenating
-        8-column chunks keeps Mosaic's register layout (8 columns is one WGMMA layout tile)."""
-        lo, hi = (_e2m1_pair_to_f16_ptx if ptx else e2m1_pair_to_f16)(codes)
+        8-column chunks keeps Mosaic's register layout (8 columns is one WGMMA layout tile).
+        bfloat16 in PTX: codes placed as bfloat16 bits (times 2**-126, 0.5 a bfloat16 subnormal) times
+        the block scale times 2**119 (finite for every e4m3 scale); without PTX: the float16 operand,
+        converted and halved (the same values)."""
         rows = codes.shape[0]
+        if dtype == jnp.bfloat16 and ptx:
+            lo, hi = _e2m1_pair_to_bf16_ptx(codes)
+            as_scale = lambda s: (s.astype(jnp.float16).astype(jnp.float32) * 2.0**119).astype(jnp.bfloat16)
+        else:
+            lo, hi = (_e2m1_pair_to_f16_ptx if ptx else e2m1_pair_to_f16)(codes)
+            as_scale = lambda s: s.astype(jnp.float16)
         chunks = []
         for c, s in enumerate(scale_rows):
-            s = lax.broadcast_in_dim(s.astype(jnp.float16), (rows, _GROUP_BYTES), (0,))
+            s = lax.broadcast_in_dim(as_scale(s), (rows, _GROUP_BYTES), (0,))
             cols = slice(c * _GROUP_BYTES, (c + 1) * _GROUP_BYTES)
             chunks += [lo[:, cols] * s, hi[:, cols] * s]
-        return jnp.concatenate(chunks, axis=1)
+        operand = jnp.concatenate(chunks, axis=1)
+        if operand.dtype == dtype:
+            return operand
+        return operand.astype(dtype) * jnp.asarray(0.5, dtype)
 
 
 @functools.partial(jax.jit, static_argnames="to_kernel")

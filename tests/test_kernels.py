@@ -158,6 +158,9 @@ def test_nvfp4_tiny_block_scales_keep_their_products():
     w = NVFP4Weight.from_hf(packed, block, np.float32(1.0))
     x = _x(rng, (1, 192), jnp.float32)
     _check(linear(x, w, impl=IMPL), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.float32], "nvfp4 tiny scales")
+    x16 = x.astype(jnp.bfloat16)  # the bfloat16 operands of bf16_operands: the same products, all normal
+    np.testing.assert_array_equal(np.asarray(linear(x16, w, impl=IMPL, tiling=Tiling(bf16_operands=True)), np.float32),
+                                  np.asarray(linear(x16, w, impl=IMPL), np.float32))
 
 
 @pytest.mark.parametrize("fmt,lead,n,k,dtype", [(fmt, *case) for fmt in ("nvfp4", "fp8", "dense")
@@ -284,7 +287,8 @@ def test_kernels_lower_for_the_gpu(fmt):
         x = _x(rng, (rows, 2688), jnp.bfloat16)
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(x, w)
     # decode blocks of 8 rows, prefill blocks of 64; and the long K step that big decode grids take
-    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(mma_in_flight=1))):
+    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(mma_in_flight=1)),
+                           (1, Tiling(bf16_operands=True)), (100, Tiling(bf16_operands=True))):
         idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
         export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas", tiling=tiling)), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
@@ -304,6 +308,45 @@ def test_k_steps_past_the_activations(fmt, tk, ctas_per_sm, monkeypatch):
     _, splits, k_total = _plan(fmt_class, (w.stream()[0] if fmt_class else w).dtype, 320, 8, 1, 1, tiling)
     assert splits > 1 and k_total - 320 >= 64, (splits, k_total)  # a whole step of each split-K plan past K
     _check(linear(x, w, impl=IMPL, tiling=tiling), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_bf16_operands_give_the_float16_paths_products(fmt):
+    """With bf16_operands, bf16 activations go to the kernel as they are and the weight decodes to
+    bfloat16 (W's values times operand_unit): every product is the float16 path's times a power of two,
+    so the outputs are bit for bit the default's, for a linear and the experts at 1 and at several tokens;
+    float32 activations keep the float16 path. On a GPU (PALLAS_KERNELS_IMPL=pallas) this checks the PTX
+    decode to bfloat16, whose e2m1 0.5 codes pass through bfloat16 subnormals."""
+    rng = _rng(14)
+    bf16 = Tiling(bf16_operands=True)
+    w = WEIGHTS[fmt](rng, (), 128, 320)
+    for rows, dtype in ((1, jnp.bfloat16), (40, jnp.bfloat16), (1, jnp.float32)):
+        x = _x(rng, (rows, 320), dtype)
+        got = linear(x, w, impl=IMPL, tiling=bf16)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(linear(x, w, impl=IMPL), np.float32))
+        _check(got, _f64(x) @ _f64(dequantize(w)).T, TOL_F64[dtype], f"{fmt} rows={rows}")
+    up, down = WEIGHTS[fmt](rng, (4,), 64, 320), WEIGHTS[fmt](rng, (4,), 320, 64)
+    for tokens in (1, 5):
+        x = _x(rng, (tokens, 320), jnp.bfloat16)
+        idx, weight = jnp.asarray(rng.integers(0, 4, (tokens, 2)).astype(np.int32)), jnp.ones((tokens, 2), jnp.float32)
+        np.testing.assert_array_equal(
+            np.asarray(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=bf16), np.float32),
+            np.asarray(moe_experts(x, idx, weight, up, down, impl=IMPL), np.float32))
+
+
+def test_bf16_operands_drop_the_activation_preparation():
+    """What bf16_operands is for: a bf16 projection of a quantised weight traces to no row max and no
+    rescale of its activations (the two XLA launches before each kernel), float32 ones still do."""
+    rng = _rng(15)
+    w = WEIGHTS["nvfp4"](rng, (), 128, 320)
+
+    def reduce_maxes(x, tiling):
+        jaxpr = jax.make_jaxpr(lambda x: linear(x, w, impl=IMPL, tiling=tiling))(x)
+        return str(jaxpr).count("reduce_max")
+
+    x = _x(rng, (1, 320), jnp.bfloat16)
+    assert reduce_maxes(x, Tiling()) == 1 and reduce_maxes(x, Tiling(bf16_operands=True)) == 0
+    assert reduce_maxes(x.astype(jnp.float32), Tiling(bf16_operands=True)) == 1
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
