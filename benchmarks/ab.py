@@ -3,7 +3,7 @@ tiling, timed calls interleaved A B B A ..., so drift and the spread between pro
 on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
 
     PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] --tilings "mma_in_flight=1"
-        [--steps 32] [--rounds 4] [--no-gate] [--out DIR]
+        [--prefill-shapes 1x2048] [--steps 32] [--rounds 4] [--no-gate] [--out DIR]
 
 Variant A is the default tiling, each --tilings entry (';' between them; benchmarks/common.py's
 parse_tilings) a B. Per variant: the token gate of benchmarks/checks.py under that tiling (fp32, reduced
@@ -13,7 +13,9 @@ the result is each variant's median ms/step and the median, min and max over rou
 in the same round, and whether its greedy tokens equal A's: a tiling that changes the split-K sums may
 change roundings, so a mismatch is reported, not failed; for tilings whose products are the default's
 bit for bit (mma_in_flight, bf16_operands) it flags a fault, and it is the check that reaches
-bf16_operands, which the float32 gate does not. Results: ab.jsonl and ab-<layout>.md in --out.
+bf16_operands, which the float32 gate does not. With --prefill-shapes, prefill (prompts x tokens) is
+compared the same way: one compiled prefill program per variant, interleaved calls, prompt tokens per
+second. Results: ab.jsonl and ab-<layout>.md in --out.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import add_model_args, model_setup, parse_tilings
+from benchmarks.prefill import parse_shapes
 from nemoh.engine.decode import _decode, finish_compiling
 from nemoh.engine.kv_pages import CacheSpec
-from nemoh.engine.prefill import prefill
+from nemoh.engine.prefill import _prefill, prefill, prefill_program
 from nemoh.engine.sampling import Sampling
 from nemoh.gate import default_prompts
 from nemoh.random_params import random_params
@@ -52,49 +55,92 @@ def with_tiling(tiling, fn):
         _blocked.DEFAULT_TILING = default
 
 
+WARM_ROUNDS = (2, 4)  # untimed rounds before timing: at least 2, more while under WARM_S, at most 4
+WARM_S = 1.0
+
+
+def interleaved(calls: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each call (name -> blocking fn) per round, after untimed rounds of all (WARM_ROUNDS:
+    first calls after a compile run slow for a while); the order alternates (A B .. B A) so that drift
+    falls on every variant alike."""
+    t0, warm = time.perf_counter(), 0
+    while warm < WARM_ROUNDS[0] or (warm < WARM_ROUNDS[1] and time.perf_counter() - t0 < WARM_S):
+        for call in calls.values():
+            call()
+        warm += 1
+    names, seconds = list(calls), {name: [] for name in calls}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            calls[name]()
+            seconds[name].append(time.perf_counter() - t0)
+    return seconds
+
+
+def ratios_to_first(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per variant: [median, min, max] over rounds of its time over the first variant's in that round."""
+    first = next(iter(seconds.values()))
+    return {name: [statistics.median(r), min(r), max(r)]
+            for name, r in ((name, [b / a for b, a in zip(s, first)]) for name, s in seconds.items())}
+
+
 def compare_batch(params, variants: dict, batch: int, prompt: int, steps: int, rounds: int) -> dict:
     """Per variant: median ms/step; per B: median/min/max of its per-round ratio to A, tokens equal to A's."""
     prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [prompt] * batch, seed=batch)]
     carries = {}
-    for name in variants:  # prefill under the default tiling: the prefill program is not compared
-        carries[name] = prefill(params, prompts, max_new_tokens=steps * (rounds + 1) + 2, sampling=Sampling(),
+    for name in variants:  # prefill under the default tiling: the prefill program is not compared here
+        carries[name] = prefill(params, prompts, max_new_tokens=steps * (rounds + WARM_ROUNDS[1]) + 2,
+                                sampling=Sampling(),
                                 stop_ids=(), seed=0, cache=CacheSpec())
     finish_compiling()  # the decode program prefill compiles ahead is traced under the default tiling
     programs = {name: with_tiling(t, lambda: _decode.lower(params, carries[name], np.int32(steps)).compile())
                 for name, t in variants.items()}
 
     def call(name):
-        t0 = time.perf_counter()
         carries[name] = programs[name](params, carries[name], np.int32(steps))
         jax.block_until_ready(carries[name].tokens)
-        return (time.perf_counter() - t0) / steps
 
-    for name in variants:  # warm-up call of each
-        call(name)
-    names, per_step = list(variants), {name: [] for name in variants}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            per_step[name].append(call(name))
-    a = names[0]
+    seconds = interleaved({name: (lambda name=name: call(name)) for name in variants}, rounds)
+    a = next(iter(variants))
     out = {"batch": batch, "prompt": prompt, "steps": steps, "rounds": rounds, "variants": {}}
-    for name in names:
-        ratios = [b / x for b, x in zip(per_step[name], per_step[a])]
+    for name, ratio in ratios_to_first(seconds).items():
         same = bool(np.array_equal(np.asarray(carries[name].sequences), np.asarray(carries[a].sequences)))
-        out["variants"][name] = {"ms_per_step": 1e3 * statistics.median(per_step[name]),
-                                 "ms_per_call_step": [1e3 * s for s in per_step[name]],
-                                 "ratio_to_a": [statistics.median(ratios), min(ratios), max(ratios)],
-                                 "tokens_equal_a": same}
+        out["variants"][name] = {"ms_per_step": 1e3 * statistics.median(seconds[name]) / steps,
+                                 "ms_per_call_step": [1e3 * s / steps for s in seconds[name]],
+                                 "ratio_to_a": ratio, "tokens_equal_a": same}
     return out
+
+
+def compare_prefill(params, variants: dict, rows: int, tokens: int, rounds: int) -> dict:
+    """Per variant: prompt tokens per second (median over rounds) and the ratio of its call time to A's;
+    whether its first token of every row equals A's."""
+    prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [tokens] * rows, seed=rows)]
+    kw = dict(max_new_tokens=16, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(), prefill_chunk=None,
+              mesh=None, rules=None)
+    p, x, static = prefill_program(params, prompts, **kw)
+    programs = {name: with_tiling(t, lambda: _prefill.lower(p, x, **static).compile()) for name, t in variants.items()}
+    firsts = {}
+
+    def call(name):  # the inputs are donated: fresh ones each call
+        firsts[name] = np.asarray(programs[name](p, prefill_program(params, prompts, **kw)[1]).tokens)
+
+    seconds = interleaved({name: (lambda name=name: call(name)) for name in variants}, rounds)
+    a = next(iter(variants))
+    return {"rows": rows, "tokens": tokens, "rounds": rounds, "variants": {
+        name: {"tok_per_s": rows * tokens / statistics.median(seconds[name]), "ratio_to_a": ratio,
+               "tokens_equal_a": bool(np.array_equal(firsts[name], firsts[a]))}
+        for name, ratio in ratios_to_first(seconds).items()}}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="NANO_NVFP4")
-    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--batches", default="1,32", help='decode batches to compare ("" for none)')
     ap.add_argument("--tilings", required=True, help='the B variants, e.g. "mma_in_flight=1;ctas_per_sm=8"')
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--prefill-shapes", default="", help='prefill comparisons after the decode ones, e.g. "1x2048"')
     add_model_args(ap)
     args = ap.parse_args()
     tilings = parse_tilings(args.tilings)
@@ -115,7 +161,7 @@ def main() -> int:
         log(f"[{name}] {checks[name]}")
         md.append(f"- {name}: {checks[name]}")
     md.append("")
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in (int(x) for x in args.batches.split(",") if x):
         r = compare_batch(params, variants, b, args.prompt, args.steps, args.rounds)
         r.update(layout=args.layout, device=device, checks=checks)
         with (out_dir / "ab.jsonl").open("a") as f:
@@ -124,6 +170,18 @@ def main() -> int:
             med, lo, hi = v["ratio_to_a"]
             line = (f"[{args.layout}] batch {b} {name}: {v['ms_per_step']:.3f} ms/step, "
                     f"x{med:.3f} of default (rounds x{lo:.3f}-x{hi:.3f}), tokens "
+                    f"{'equal to' if v['tokens_equal_a'] else 'DIFFER from'} default's | {checks[name]}")
+            log(line)
+            md.append(line)
+    for rows, tokens in parse_shapes(args.prefill_shapes):
+        r = compare_prefill(params, variants, rows, tokens, args.rounds)
+        r.update(layout=args.layout, device=device, checks=checks)
+        with (out_dir / "ab.jsonl").open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        for name, v in r["variants"].items():
+            med, lo, hi = v["ratio_to_a"]
+            line = (f"[{args.layout}] prefill {rows}x{tokens} {name}: {v['tok_per_s']:.0f} tok/s, x{med:.3f} of "
+                    f"default's time (rounds x{lo:.3f}-x{hi:.3f}), first tokens "
                     f"{'equal to' if v['tokens_equal_a'] else 'DIFFER from'} default's | {checks[name]}")
             log(line)
             md.append(line)

@@ -137,3 +137,14 @@ def test_ab_compares_variants_call_by_call():
     a, b = r["variants"]["default"], r["variants"]["in flight"]
     assert a["ratio_to_a"] == [1.0, 1.0, 1.0] and len(b["ms_per_call_step"]) == 2 and b["ms_per_step"] > 0
     assert a["tokens_equal_a"] and b["tokens_equal_a"]
+
+
+def test_ab_compares_prefill_programs():
+    """benchmarks/ab.py's prefill comparison on a tiny model: a rate per variant from calls on fresh
+    (donated) inputs, and the same first tokens."""
+    from benchmarks.ab import compare_prefill
+
+    r = compare_prefill(random_params(CONFIG, "NANO_NVFP4"), {"default": Tiling(), "bf16": Tiling(bf16_operands=True)},
+                        rows=2, tokens=9, rounds=2)
+    assert set(r["variants"]) == {"default", "bf16"} and r["variants"]["default"]["ratio_to_a"] == [1.0, 1.0, 1.0]
+    assert all(v["tok_per_s"] > 0 and v["tokens_equal_a"] for v in r["variants"].values())
