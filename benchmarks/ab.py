@@ -151,9 +151,7 @@ def main() -> int:
           f"{args.layout}, prompt {args.prompt}, {args.rounds} rounds of {args.steps}-step calls", ""]
     checks = {}
     for name, tiling in variants.items():
-        gate = with_tiling(tiling, lambda: gate_line(args.layout, work, Path(args.dims),
-                                                     args.no_gate))
-        checks[name] = gate
+        checks[name] = with_tiling(tiling, lambda: gate_line(args.layout, work, Path(args.dims), args.no_gate))
     params = random_params(cfg, args.layout, dtype=jnp.bfloat16)
     for name, tiling in variants.items():
         _, line = with_tiling(tiling, lambda: layer_check_line(params, args.prompt))
@@ -161,28 +159,22 @@ def main() -> int:
         log(f"[{name}] {checks[name]}")
         md.append(f"- {name}: {checks[name]}")
     md.append("")
-    for b in (int(x) for x in args.batches.split(",") if x):
-        r = compare_batch(params, variants, b, args.prompt, args.steps, args.rounds)
+    legs = [(f"batch {b}", "ms_per_step", "{:.3f} ms/step",
+             lambda b=b: compare_batch(params, variants, b, args.prompt, args.steps, args.rounds))
+            for b in (int(x) for x in args.batches.split(",") if x)]
+    legs += [(f"prefill {rows}x{tokens}", "tok_per_s", "{:.0f} tok/s",
+              lambda rows=rows, tokens=tokens: compare_prefill(params, variants, rows, tokens, args.rounds))
+             for rows, tokens in parse_shapes(args.prefill_shapes)]
+    for what, key, fmt, run in legs:
+        r = run()
         r.update(layout=args.layout, device=device, checks=checks)
         with (out_dir / "ab.jsonl").open("a") as f:
             f.write(json.dumps(r) + "\n")
         for name, v in r["variants"].items():
             med, lo, hi = v["ratio_to_a"]
-            line = (f"[{args.layout}] batch {b} {name}: {v['ms_per_step']:.3f} ms/step, "
-                    f"x{med:.3f} of default (rounds x{lo:.3f}-x{hi:.3f}), tokens "
-                    f"{'equal to' if v['tokens_equal_a'] else 'DIFFER from'} default's | {checks[name]}")
-            log(line)
-            md.append(line)
-    for rows, tokens in parse_shapes(args.prefill_shapes):
-        r = compare_prefill(params, variants, rows, tokens, args.rounds)
-        r.update(layout=args.layout, device=device, checks=checks)
-        with (out_dir / "ab.jsonl").open("a") as f:
-            f.write(json.dumps(r) + "\n")
-        for name, v in r["variants"].items():
-            med, lo, hi = v["ratio_to_a"]
-            line = (f"[{args.layout}] prefill {rows}x{tokens} {name}: {v['tok_per_s']:.0f} tok/s, x{med:.3f} of "
-                    f"default's time (rounds x{lo:.3f}-x{hi:.3f}), first tokens "
-                    f"{'equal to' if v['tokens_equal_a'] else 'DIFFER from'} default's | {checks[name]}")
+            line = (f"[{args.layout}] {what} {name}: {fmt.format(v[key])}, time x{med:.3f} of default's "
+                    f"(rounds x{lo:.3f}-x{hi:.3f}), tokens {'equal to' if v['tokens_equal_a'] else 'DIFFER from'} "
+                    f"default's | {checks[name]}")
             log(line)
             md.append(line)
     (out_dir / f"ab-{args.layout}.md").write_text("\n".join(md) + "\n")
