@@ -32,9 +32,9 @@ MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are st
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """Kernel tiling: tk streamed weight elements per K step (None: default_tk's choice), pipeline
-    depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode, and
-    how many K steps' wgmma may still run while the next step decodes (0: each step waits for its own),
-    and whether quantised weights decode to bfloat16 for bf16 activations (see the module docstring)."""
+    depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for, PTX weight decode, how
+    many K steps' wgmma may still run while the next step decodes (0: each step waits for its own), and
+    whether quantised weights decode to bfloat16 for bf16 activations (see the module docstring)."""
 
     tk: int | None = None
     stages: int = 4
@@ -66,7 +66,8 @@ def _pad_axis(a, axis: int, size: int):
 
 
 def _weight_operands(w: Weight):
-    """(format or None, kernel weight [E, Np, Kw], block scales [E, K/16, Np] or None, f32 output scale [E]).
+    """(format or None, kernel weight [E, Np, Kw], block scales [E, K/16, Np] or None, f32 per-tensor scale
+    [E]; the output scale is that over the format's operand_unit).
 
     Weights whose N is not a multiple of 64, or whose rows are not a multiple of 32 bytes, are zero-padded
     here: a copy of the packed weight, slow but correct; the Nemotron shapes never need it.
