@@ -148,3 +148,16 @@ def test_ab_compares_prefill_programs():
                         rows=2, tokens=9, rounds=2)
     assert set(r["variants"]) == {"default", "bf16"} and r["variants"]["default"]["ratio_to_a"] == [1.0, 1.0, 1.0]
     assert all(v["tok_per_s"] > 0 and v["tokens_equal_a"] for v in r["variants"].values())
+
+
+def test_gate_asks_the_oracle_once_per_checkpoint(monkeypatch):
+    """Gating several kernel variants of one layout in one process (benchmarks/ab.py) runs transformers
+    once: the reference tokens of a checkpoint and prompts are kept."""
+    calls = []
+    monkeypatch.setattr(checks.oracle, "greedy", lambda jobs: calls.append(jobs) or [[{"tokens": [7]}] * 2])
+    checks.oracle_tokens.cache_clear()
+    first = checks.oracle_tokens("/ckpt-a", ((1, 2), (3,)))
+    assert checks.oracle_tokens("/ckpt-a", ((1, 2), (3,))) == first == [[7], [7]] and len(calls) == 1
+    checks.oracle_tokens("/ckpt-b", ((1, 2), (3,)))
+    assert len(calls) == 2 and calls[0][0]["prompts"] == [[1, 2], [3]]
+    checks.oracle_tokens.cache_clear()
