@@ -20,8 +20,8 @@
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
 #   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
-#                                     # others (default: the wgmma left in flight; bf16 operands) in one process,
-#                                     # calls interleaved, every variant gated (benchmarks/ab.py)
+#                                     # others (default: the wgmma left in flight; bf16 operands; both) in one
+#                                     # process, calls interleaved, every variant gated (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
 #   bash benchmarks/h200.sh trace     # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in order,
@@ -88,11 +88,11 @@ case "${1:-}" in
        --repeats 2 --no-gate --call-overhead) ;;
   variants) # kernel tilings against the default in one process, timed calls interleaved (benchmarks/ab.py), each
              # variant gated; the tilings after the part's name (default: the wgmma left in flight; bf16 operands)
-    leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --tilings "${2:-mma_in_flight=1;bf16_operands=true}" \
-      --rounds 6 ;;
+    leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
+      --tilings "${2:-mma_in_flight=1;bf16_operands=true;mma_in_flight=1,bf16_operands=true}" ;;
   prefill-variants) # the same for prefill: one prompt of 2,048 tokens and 8 of 512
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches "" --prefill-shapes 1x2048,8x512 \
-      --tilings "${2:-mma_in_flight=1;bf16_operands=true}" --rounds 6 ;;
+      --tilings "${2:-mma_in_flight=1;bf16_operands=true;mma_in_flight=1,bf16_operands=true}" --rounds 6 ;;
   kernel-variants) # the kernels alone under the default tiling and the candidates of `variants`: GEMV fit, MoE
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \
