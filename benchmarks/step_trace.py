@@ -3,7 +3,7 @@ its layer scope and the HLO ops XLA fused into it. Where the per-kind breakdown 
 says how much, this says which launches to remove.
 
     PYTHONPATH=. python3 benchmarks/step_trace.py [--layout NANO_NVFP4] [--pattern MEME] [--batch 1]
-        [--steps 8] [--out DIR]
+        [--steps 8] [--tiling "bf16_operands=true"] [--out DIR]
 
 Random params at Nano widths with the given (short) layer pattern, built on the device; a profiled
 decode call of `steps` steps; the launches of its middle step are printed and written to
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import nano_config
+from benchmarks.common import nano_config, parse_tilings
 from benchmarks.profile import _norm, attribute, kernel_events
 from nemoh.engine.decode import _decode, decode
 from nemoh.engine.kv_pages import CacheSpec
@@ -31,6 +31,7 @@ from nemoh.engine.prefill import prefill
 from nemoh.engine.sampling import Sampling
 from nemoh.gate import default_prompts
 from nemoh.random_params import random_params
+from pallas_kernels import _blocked
 
 _COMPUTATION = re.compile(r"^%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _OPCODE = re.compile(r"=\s*(?:\([^=]*\)|\S+)\s+([\w\-]+)\(")
@@ -108,18 +109,25 @@ def main() -> int:
     ap.add_argument("--pattern", default="MEME")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "bf16_operands=true"')
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    if args.tiling:
+        (_blocked.DEFAULT_TILING,) = parse_tilings(args.tiling)
     cfg = nano_config(args.pattern)
     params = random_params(cfg, args.layout, dtype=jnp.bfloat16)
     events, scopes, hlo = trace(params, args.batch, args.steps)
     text = report(events, scopes, hlo)
-    print(f"{jax.devices()[0].device_kind} | {args.layout} {args.pattern} batch {args.batch}")
+    print(f"{jax.devices()[0].device_kind} | {args.layout} {args.pattern} batch {args.batch} | tiling "
+          f"{args.tiling or 'default'}")
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"step-trace-{args.layout}-b{args.batch}.txt").write_text(text + "\n")
-    (out / f"decode-hlo-{args.layout}-b{args.batch}.txt").write_text(hlo)
+    name = f"{args.layout}-b{args.batch}"
+    if args.tiling:
+        name += "-" + args.tiling.replace("=", "").replace(",", "-")
+    (out / f"step-trace-{name}.txt").write_text(text + "\n")
+    (out / f"decode-hlo-{name}.txt").write_text(hlo)
     return 0
 
 
