@@ -1,4 +1,5 @@
-"""Config parsing and its errors, the chunked SSD against the recurrence, checkpoint errors."""
+"""Config parsing and its errors, the chunked SSD against the recurrence, checkpoint errors, the MoE
+routing's top-k."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import nemoh
@@ -186,3 +189,21 @@ def test_embedding_spelling_and_no_pickle(tmp_path):
     (ck / "pytorch_model.bin").write_bytes(b"garbage that must never be unpickled")
     params = nemoh.load(ck, dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(params.embed), np.asarray(nemoh.load(SHIPPED, dtype=jnp.float32).embed))
+
+
+@settings(derandomize=True, deadline=None, database=None, max_examples=60)
+@given(st.lists(st.sampled_from([0.0, -0.0, 0.5, -0.5, 1.0, 3.0, np.inf, -np.inf, np.nan, -np.nan, 1e-40, -2.5]),
+                min_size=1, max_size=24),
+       st.integers(1, 24), st.integers(1, 3))
+def test_ranked_top_k_is_lax_top_k(values, k, rows):
+    """The MoE routing's top-k (ranks from one compare-and-count, no sort) picks exactly lax.top_k's
+    entries in its order: ties (lower index first), signed zeros, infinities, NaNs of both signs and
+    subnormals, over leading dims."""
+    from nemoh.layers.moe import ranked_top_k
+
+    x = jnp.asarray(np.stack([np.roll(np.asarray(values, np.float32), r) for r in range(rows)]))
+    k = min(k, x.shape[-1])
+    want_v, want_i = jax.lax.top_k(x, k)
+    got_v, got_i = ranked_top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v).view(np.int32), np.asarray(want_v).view(np.int32))

@@ -52,6 +52,21 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def ranked_top_k(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k(values, k) for values [..., E] (largest first in IEEE total order, NaN above inf and
+    +0 above -0; among equal values the lower index first), computed from each entry's rank among the E:
+    one compare-and-count that XLA fuses into a reduction, then a pick of ranks 0..k-1, where lax.top_k
+    sorts on the GPU (5.8 µs on an H100 for a decode token's 128 expert scores, on the MoE layer's
+    critical path). Returns (values [..., k], int32 indices [..., k])."""
+    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order of key == total order of the floats
+    ids = jnp.arange(values.shape[-1], dtype=jnp.int32)
+    ahead = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & (ids < ids[:, None]))
+    rank = ahead.sum(-1, dtype=jnp.int32)  # [..., E]: how many entries come before each (a permutation)
+    idx = jnp.sum(jnp.where(rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None], ids, 0), -1, dtype=jnp.int32)
+    return jnp.take_along_axis(values, idx, axis=-1), idx
+
+
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: NemotronHConfig) -> tuple[jax.Array, jax.Array]:
     """x [T, H] -> (expert ids [T, k] int32, routing weights [T, k] fp32).
 
@@ -63,11 +78,11 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: NemotronHConfig
     if cfg.n_group > 1:
         T, E = choice.shape
         grouped = choice.reshape(T, cfg.n_group, E // cfg.n_group)
-        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, n_group]
-        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        group_scores = ranked_top_k(grouped, 2)[0].sum(-1)  # [T, n_group]
+        _, keep = ranked_top_k(group_scores, cfg.topk_group)
         kept = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], keep].set(True)
         choice = jnp.where(jnp.repeat(kept, E // cfg.n_group, axis=1), choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    _, idx = ranked_top_k(choice, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=1)
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
