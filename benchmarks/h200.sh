@@ -25,7 +25,8 @@
 #   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
-#                                     # order, batches 1 and 32 (benchmarks/step_trace.py), and the GEMV's fixed cost
+#                                     # order, batches 1 and 32, op by op and as CUDA graphs (benchmarks/step_trace.py),
+#                                     # and the GEMV's fixed cost
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
 #   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
 #                                     # 13-layer batch-1 decode, this tree and one extracted to _old
@@ -97,7 +98,9 @@ case "${1:-}" in
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \
       --tilings "mma_in_flight=1;bf16_operands=true" ;;
-  trace) for b in 1 32; do leg 170 benchmarks/step_trace.py --batch $b ${2:+--tiling "$2"}; done
+  trace) for b in 1 32; do for graphs in "" --graphs; do
+           leg 170 benchmarks/step_trace.py --batch $b ${2:+--tiling "$2"} $graphs
+         done; done
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;

@@ -3,18 +3,20 @@ its layer scope and the HLO ops XLA fused into it. Where the per-kind breakdown 
 says how much, this says which launches to remove.
 
     PYTHONPATH=. python3 benchmarks/step_trace.py [--layout NANO_NVFP4] [--pattern MEME] [--batch 1]
-        [--steps 8] [--tiling "bf16_operands=true"] [--out DIR]
+        [--steps 8] [--tiling "bf16_operands=true"] [--graphs] [--out DIR]
 
 Random params at Nano widths with the given (short) layer pattern, built on the device; a profiled
 decode call of `steps` steps; the launches of its middle step are printed and written to
 step-trace-<layout>-b<batch>.txt in --out, beside the compiled decode program's HLO text. Ungated: a
-diagnostic, not a speed result.
+diagnostic, not a speed result. Under a profiler XLA launches a program's kernels one by one unless
+told otherwise; --graphs keeps its CUDA graphs, so the trace shows the execution that timed calls get.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import sys
 from pathlib import Path
@@ -110,8 +112,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "bf16_operands=true"')
+    ap.add_argument("--graphs", action="store_true",
+                    help="keep XLA's command buffers (CUDA graphs) under the profiler, as timed calls run; XLA "
+                    "otherwise launches a profiled program op by op")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    if args.graphs:  # read when the backend starts, which nothing above has done yet
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_enable_command_buffers_during_profiling=true"
     if args.tiling:
         (_blocked.DEFAULT_TILING,) = parse_tilings(args.tiling)
     cfg = nano_config(args.pattern)
@@ -119,13 +126,15 @@ def main() -> int:
     events, scopes, hlo = trace(params, args.batch, args.steps)
     text = report(events, scopes, hlo)
     print(f"{jax.devices()[0].device_kind} | {args.layout} {args.pattern} batch {args.batch} | tiling "
-          f"{args.tiling or 'default'}")
+          f"{args.tiling or 'default'} | {'CUDA graphs' if args.graphs else 'op by op (XLA under a profiler)'}")
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"{args.layout}-b{args.batch}"
     if args.tiling:
         name += "-" + args.tiling.replace("=", "").replace(",", "-")
+    if args.graphs:
+        name += "-graphs"
     (out / f"step-trace-{name}.txt").write_text(text + "\n")
     (out / f"decode-hlo-{name}.txt").write_text(hlo)
     return 0
