@@ -1,6 +1,6 @@
-"""Kernel tilings compared on the decode step in one process: one model, one compiled decode program per
-tiling, timed calls interleaved A B B A ..., so drift and the spread between processes (0.07-0.17 ms
-on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
+"""Kernel tilings compared on the decode step (and prefill) in one process: one model, one compiled program
+per tiling, timed calls interleaved A B B A ..., so drift and the spread between processes (0.07-0.17
+ms on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
 
     PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] --tilings "mma_in_flight=1"
         [--prefill-shapes 1x2048] [--steps 32] [--rounds 4] [--no-gate] [--out DIR]
