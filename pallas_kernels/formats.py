@@ -59,41 +59,43 @@ def e2m1_pair_to_f16(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     return as_f16(lo), as_f16(hi)
 
 
-def _e2m1_pair_to_f16_ptx(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """e2m1_pair_to_f16 on Mosaic GPU registers in hand-written PTX: four codes a 32-bit op (two registers
-    of the WGMMA layout at a time), then cvt.rn.f16x2.e4m3x2. GPU only (the interpreter has no PTX)."""
+def _f16_decode_ptx() -> dict[str, list[str]]:
+    """PTX of the float16 decode, per nibble ("lo", "hi"): four codes of $1 a 32-bit op, each placed as an
+    e4m3 byte whose value is e2m1 * E2M1_UNIT, then cvt.rn.f16x2.e4m3x2 a pair, into %nv_r0 (bytes 0, 1)
+    and %nv_r1 (bytes 2, 3)."""
     first = {"lo": ("shl.b32 %nv_a, $1, 2;", "shl.b32 %nv_b, $1, 4;"), "hi": ("shr.b32 %nv_a, $1, 2;", "mov.b32 %nv_b, $1;")}
-    ptx = {k: [sa, "and.b32 %nv_a, %nv_a, 0x1C1C1C1C;", sb, "and.b32 %nv_b, %nv_b, 0x80808080;",
-               "or.b32 %nv_a, %nv_a, %nv_b;", "mov.b32 {%nv_h0, %nv_h1}, %nv_a;",
-               "cvt.rn.f16x2.e4m3x2 %nv_r0, %nv_h0;", "cvt.rn.f16x2.e4m3x2 %nv_r1, %nv_h1;"]
-           for k, (sa, sb) in first.items()}
-    return _ptx_decode(codes, ptx, jnp.float16)
+    return {k: [sa, "and.b32 %nv_a, %nv_a, 0x1C1C1C1C;", sb, "and.b32 %nv_b, %nv_b, 0x80808080;",
+                "or.b32 %nv_a, %nv_a, %nv_b;", "mov.b32 {%nv_h0, %nv_h1}, %nv_a;",
+                "cvt.rn.f16x2.e4m3x2 %nv_r0, %nv_h0;", "cvt.rn.f16x2.e4m3x2 %nv_r1, %nv_h1;"]
+            for k, (sa, sb) in first.items()}
 
 
-def _e2m1_pair_to_bf16_ptx(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint8 codes on Mosaic GPU registers -> (low-nibble, high-nibble) values times 2**-126 as bfloat16,
-    in hand-written PTX: each code's sign, exponent and mantissa bits placed straight into a bfloat16
-    (e2m1 zero and 0.5 land on bfloat16 zero and its subnormal 2**-127). Each 16-bit half of a word is
-    spread to a 32-bit word with one prmt, then two shifts and masks a bf16x2 pair. GPU only."""
-    # bytes 0, 1 of the word to bytes 0, 2 of %nv_u; bytes 2, 3 to bytes 0, 2 of %nv_w (the others zero)
+def _bf16_decode_ptx() -> dict[str, list[str]]:
+    """PTX of the bfloat16 decode, per nibble: each code's sign, exponent and mantissa bits placed straight
+    into a bfloat16, the value e2m1 * 2**-126 (e2m1 zero and 0.5 land on bfloat16 zero and its subnormal
+    2**-127). Bytes 0, 1 of $1 spread to bytes 0, 2 of a word with one prmt (bytes 2, 3 likewise), then
+    two shifts and masks a bf16x2 pair, into %nv_r0 and %nv_r1."""
     spread = ["mov.b32 %nv_b, 0;", "prmt.b32 %nv_u, $1, %nv_b, 0x4140;", "prmt.b32 %nv_w, $1, %nv_b, 0x4342;"]
-    # per bf16x2 result: magnitude bits (code bits 0-2 or 4-6) to bits 6-8, the sign (bit 3 or 7) to bit 15
+    # magnitude bits (code bits 0-2 or 4-6) to bits 6-8 of each half, the sign (bit 3 or 7) to bit 15
     shifts = {"lo": (6, 12), "hi": (2, 8)}
-    ptx = {}
+    programs = {}
     for k, (mag, sign) in shifts.items():
         body = list(spread)
         for src, dst in (("%nv_u", "%nv_r0"), ("%nv_w", "%nv_r1")):
             body += [f"shl.b32 %nv_a, {src}, {mag};", "and.b32 %nv_a, %nv_a, 0x01C001C0;",
                      f"shl.b32 %nv_b, {src}, {sign};", "and.b32 %nv_b, %nv_b, 0x80008000;",
                      f"or.b32 {dst}, %nv_a, %nv_b;"]
-        ptx[k] = body
-    return _ptx_decode(codes, ptx, jnp.bfloat16)
+        programs[k] = body
+    return programs
 
 
-def _ptx_decode(codes: jax.Array, programs: dict[str, list[str]], dtype) -> tuple[jax.Array, jax.Array]:
-    """Run each PTX program of `programs` ("lo", "hi") on every pair of WGMMA-layout registers of uint8
-    `codes` (a 32-bit word $1 of four codes) into two 16-bit-pair registers %nv_r0, %nv_r1 of `dtype`:
-    the (lo, hi) arrays, in codes' layout."""
+DECODE_PTX = {jnp.dtype(jnp.float16): _f16_decode_ptx(), jnp.dtype(jnp.bfloat16): _bf16_decode_ptx()}
+
+
+def _ptx_decode(codes: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """uint8 codes on Mosaic GPU registers -> their (low-nibble, high-nibble) values in dtype: DECODE_PTX's
+    programs run on every pair of WGMMA-layout registers (a 32-bit word $1 of four codes), the results in
+    codes' layout. GPU only (the interpreter has no PTX; e2m1_pair_to_f16 is the float16 decode's model)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
@@ -101,7 +103,7 @@ def _ptx_decode(codes: jax.Array, programs: dict[str, list[str]], dtype) -> tupl
 
     ptx = {k: "\n".join(["{", ".reg .b32 %nv_a, %nv_b, %nv_u, %nv_w, %nv_r0, %nv_r1;", ".reg .b16 %nv_h0, %nv_h1;",
                          *body, "mov.b64 $0, {%nv_r0, %nv_r1};", "}"])
-           for k, body in programs.items()}
+           for k, body in DECODE_PTX[jnp.dtype(dtype)].items()}
     out_ty = plgpu.ShapeDtypeStruct(codes.shape, dtype, layout=plgpu.Layout.WGMMA)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out_ty, out_ty))
@@ -323,10 +325,10 @@ class NVFP4Weight:
         converted and halved (the same values)."""
         rows = codes.shape[0]
         if dtype == jnp.bfloat16 and ptx:
-            lo, hi = _e2m1_pair_to_bf16_ptx(codes)
+            lo, hi = _ptx_decode(codes, jnp.bfloat16)
             as_scale = lambda s: (s.astype(jnp.float16).astype(jnp.float32) * 2.0**119).astype(jnp.bfloat16)
         else:
-            lo, hi = (_e2m1_pair_to_f16_ptx if ptx else e2m1_pair_to_f16)(codes)
+            lo, hi = _ptx_decode(codes, jnp.float16) if ptx else e2m1_pair_to_f16(codes)
             as_scale = lambda s: s.astype(jnp.float16)
         chunks = []
         for c, s in enumerate(scale_rows):

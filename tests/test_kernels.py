@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts
-from pallas_kernels.formats import E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16
+from pallas_kernels.formats import DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16
 from pallas_kernels._backend import num_sms
 from pallas_kernels import _blocked
 from pallas_kernels._blocked import Tiling, _plan
@@ -91,6 +91,54 @@ def test_decode_helpers_exact():
     want = E2M1_VALUES[:16, None] * E2M1_UNIT * np.asarray(f8, np.float32)[None, :]
     finite = np.isfinite(want)
     np.testing.assert_array_equal(got[finite], want[finite])
+
+
+def _run_ptx(lines: list[str], word: int) -> tuple[int, int]:
+    """The decode programs' PTX executed on the CPU, instruction by instruction (the few they use: b32 mov,
+    shl, shr, and, or, prmt; the b16 split; cvt.rn.f16x2.e4m3x2), $1 = word: (%nv_r0, %nv_r1)."""
+    reg = {"$1": word}
+    value = lambda t: reg[t] if t in reg else int(t, 0)
+    for line in lines:
+        op, args = line.rstrip(";").split(None, 1)
+        if args.startswith("{"):  # mov.b32 {lo16, hi16}, a
+            halves, src = args.split("}, ")
+            low, high = halves.strip("{").split(", ")
+            reg[low], reg[high] = value(src) & 0xFFFF, value(src) >> 16
+            continue
+        dst, *srcs = [a.strip() for a in args.split(",")]
+        v = [value(x) for x in srcs]
+        if op == "prmt.b32":  # default mode: selector nibble i picks byte (0-7) of {b, a} for byte i
+            pool = v[0] | v[1] << 32
+            assert all((v[2] >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicating selectors are not modelled"
+            out = sum(((pool >> 8 * ((v[2] >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "cvt.rn.f16x2.e4m3x2":  # byte i of the b16 source -> half i of the result
+            f8 = np.array([v[0] & 0xFF, v[0] >> 8], np.uint8).view(jnp.float8_e4m3fn)
+            halves = np.asarray(f8.astype(np.float16)).view(np.uint16)
+            out = int(halves[0]) | int(halves[1]) << 16
+        else:
+            out = {"mov.b32": lambda: v[0], "shl.b32": lambda: v[0] << v[1], "shr.b32": lambda: v[0] >> v[1],
+                   "and.b32": lambda: v[0] & v[1], "or.b32": lambda: v[0] | v[1]}[op]()
+        reg[dst] = out & 0xFFFFFFFF
+    return reg["%nv_r0"], reg["%nv_r1"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_ptx_decode_programs(dtype):
+    """The kernel's hand-written PTX decode (which only a GPU runs) executed here line by line on words of
+    every code byte: float16 gives e2m1_pair_to_f16's values (the interpreter's model of it), bfloat16
+    each e2m1 value times 2**-126 exactly (bit for bit, signs and the 0.5 subnormal included)."""
+    rng = _rng(16)
+    words = np.concatenate([np.arange(256, dtype=np.uint8).reshape(64, 4), rng.integers(0, 256, (64, 4), np.uint8)])
+    for k, program in DECODE_PTX[jnp.dtype(dtype)].items():
+        for word in words:
+            r0, r1 = _run_ptx(program, int(word.view(np.uint32)[0]))
+            got = np.array([r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16], np.uint16)
+            nibbles = word & 15 if k == "lo" else word >> 4
+            if dtype == jnp.float16:
+                want = np.asarray(e2m1_pair_to_f16(jnp.asarray(word))[0 if k == "lo" else 1]).view(np.uint16)
+            else:
+                want = (np.asarray(E2M1_VALUES[nibbles] * 2.0**-126, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            np.testing.assert_array_equal(got, want, err_msg=f"{k} of {word}")
 
 
 def test_row_scaling_is_frexp_and_ldexp():
