@@ -88,7 +88,8 @@ case "${1:-}" in
     (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
        --repeats 2 --no-gate --call-overhead) ;;
   variants) # kernel tilings against the default in one process, timed calls interleaved (benchmarks/ab.py), each
-             # variant gated; the tilings after the part's name (default: the wgmma left in flight; bf16 operands)
+             # variant gated; the tilings after the part's name (default: the wgmma left in flight; bf16 operands;
+             # both)
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
       --tilings "${2:-mma_in_flight=1;bf16_operands=true;mma_in_flight=1,bf16_operands=true}" ;;
   prefill-variants) # the same for prefill: one prompt of 2,048 tokens and 8 of 512
