@@ -43,6 +43,9 @@ def _pair_valid(valid, expert_idx):
     return jnp.broadcast_to(valid.reshape(t, -1), (t, k)).reshape(t * k)
 
 
+COUNT_MAX_PAIRS = 512  # route_blocks ranks up to this many pairs by counting (a decode batch), more by a sort
+
+
 def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=None):
     """Group the T*k (token, expert) pairs by expert into blocks of tm slots; pairs left out by valid
     ([T] per token or [T, k] per pair, False: left out) get no slot.
@@ -53,19 +56,23 @@ def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=N
     """
     pairs = expert_idx.size
     e = expert_idx.reshape(pairs).astype(jnp.int32)
-    if valid is not None:  # left-out pairs go to a sentinel expert past the last, sorted to the end
+    if valid is not None:  # left-out pairs go to a sentinel expert past the last
         e = jnp.where(_pair_valid(valid, expert_idx), e, num_experts)
-    order = jnp.argsort(e, stable=True).astype(jnp.int32)
-    e_sorted = e[order]
     counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e].add(1)[:num_experts]
     blocks = -(-counts // tm)
     block_end = jnp.cumsum(blocks)
-    e_kept = jnp.minimum(e_sorted, num_experts - 1)
-    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_kept]
+    pair_ids = jnp.arange(pairs, dtype=jnp.int32)
+    e_kept = jnp.minimum(e, num_experts - 1)
+    # each pair's place among its expert's pairs (how many earlier pairs chose that expert)
+    if pairs <= COUNT_MAX_PAIRS:  # one compare-and-count XLA fuses into a reduction, no sort on the critical path
+        earlier = pair_ids[None, :] < pair_ids[:, None]
+        rank = jnp.sum((e[None, :] == e[:, None]) & earlier, axis=1, dtype=jnp.int32)
+    else:  # quadratic no more: the place in a stable sort by expert, less the expert's first place
+        place = jnp.zeros((pairs,), jnp.int32).at[jnp.argsort(e, stable=True)].set(pair_ids)
+        rank = place - (jnp.cumsum(counts) - counts)[e_kept]
     num_blocks = min(num_experts, pairs) + pairs // tm
-    slot = jnp.where(e_sorted < num_experts, (block_end - blocks)[e_kept] * tm + rank, num_blocks * tm)
-    slot_pair = jnp.full((num_blocks * tm,), pairs, jnp.int32).at[slot].set(order, mode="drop")
-    pair_slot = jnp.zeros((pairs,), jnp.int32).at[order].set(slot)  # order is a permutation
+    pair_slot = jnp.where(e < num_experts, (block_end - blocks)[e_kept] * tm + rank, num_blocks * tm)
+    slot_pair = jnp.full((num_blocks * tm,), pairs, jnp.int32).at[pair_slot].set(pair_ids, mode="drop")
     ids = jnp.arange(num_blocks, dtype=jnp.int32)
     # compare_all: one fused [B, E] comparison; the default binary search is a while loop, which on the GPU
     # splits the decode step's CUDA graph and runs its iterations one by one
@@ -74,8 +81,8 @@ def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=N
 
 
 def pair_blocks(expert_idx, tm: int = MOE_BLOCK_ROWS, valid=None):
-    """One block per (token, expert) pair, the pair in slot 0: no sort, for a single token (decode),
-    whose k experts are distinct anyway. Same outputs as route_blocks."""
+    """One block per (token, expert) pair, the pair in slot 0, for a single token (decode), whose k
+    experts are distinct anyway: fewer ops than route_blocks. Same outputs as route_blocks."""
     pairs = expert_idx.size
     slots = jnp.arange(pairs * tm, dtype=jnp.int32)
     slot_pair = jnp.where(slots % tm == 0, slots // tm, pairs)

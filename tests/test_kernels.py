@@ -30,6 +30,7 @@ from pallas_kernels.formats import DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair
 from pallas_kernels._backend import num_sms
 from pallas_kernels import _blocked
 from pallas_kernels._blocked import Tiling, _plan
+from pallas_kernels import moe as moe_ops
 from pallas_kernels.moe import route_blocks
 
 IMPL = os.environ.get("PALLAS_KERNELS_IMPL", "interpret")
@@ -309,7 +310,11 @@ def test_one_token_experts_share_the_activation_preparation(fmt):
     assert len(re.findall(r"= f32\[\d+,8\]\S* reduce\(", hlo)) == 3, re.findall(r"= f32\[\d+,8\]\S* reduce\(", hlo)
 
 
-def test_route_blocks_covers_every_pair_once():
+@pytest.mark.parametrize("count_max_pairs", [moe_ops.COUNT_MAX_PAIRS, 0])
+def test_route_blocks_covers_every_pair_once(count_max_pairs, monkeypatch):
+    """Both ways of placing pairs (counting earlier pairs of the same expert, a decode batch's; a stable
+    sort, larger batches') fill every block slot in pair order."""
+    monkeypatch.setattr(moe_ops, "COUNT_MAX_PAIRS", count_max_pairs)
     rng = _rng(4)
     idx = jnp.asarray(rng.integers(0, 7, (9, 4)).astype(np.int32))
     slot_pair, block_expert, pair_slot = map(np.asarray, jax.jit(route_blocks, static_argnums=(1, 2))(idx, 7, 8))
@@ -321,6 +326,22 @@ def test_route_blocks_covers_every_pair_once():
     for slot in np.nonzero(slot_pair < pairs)[0]:
         assert block_expert[slot // 8] == flat[slot_pair[slot]]
     assert (block_expert >= 0).sum() == sum(-(-np.sum(flat == e) // 8) for e in range(7))
+    for e in range(7):  # an expert's pairs sit in its blocks in pair order
+        slots = np.nonzero(block_expert[np.arange(slot_pair.size) // 8] == e)[0]
+        np.testing.assert_array_equal(slot_pair[slots][slot_pair[slots] < pairs], np.nonzero(flat == e)[0])
+
+
+def test_route_blocks_ways_agree():
+    """The counting and the sorting placement give the same blocks, left-out pairs included."""
+    rng = _rng(17)
+    idx = jnp.asarray(np.stack([rng.choice(11, 3, replace=False) for _ in range(40)]).astype(np.int32))
+    valid = jnp.asarray(rng.random((40, 3)) < 0.7)
+    counted = route_blocks(idx, 11, 8, valid)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_ops, "COUNT_MAX_PAIRS", 0)
+        sorted_ = route_blocks(idx, 11, 8, valid)
+    for a, b in zip(counted, sorted_):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
@@ -447,7 +468,8 @@ def test_nvfp4_long_k_steps_only_where_the_grid_fills_the_gpu():
 def test_moe_experts_many_tokens_have_no_loop():
     """The routed-experts op for a batch of tokens (expert blocks built by route_blocks) traces to no
     while loop: inside the decode step a loop splits the step's CUDA graph and runs its iterations one
-    by one (the binary search of jnp.searchsorted's default method was one)."""
+    by one (the binary search of jnp.searchsorted's default method was one). Nor to a sort: grouping the
+    pairs by expert is a compare-and-count, where an argsort was a sort kernel on the critical path."""
     rng = _rng(9)
     up, down = WEIGHTS["nvfp4"](rng, (8,), 64, 128), WEIGHTS["nvfp4"](rng, (8,), 128, 64)
     idx = jnp.asarray(rng.integers(0, 8, (32, 2)).astype(np.int32))
@@ -465,7 +487,7 @@ def test_moe_experts_many_tokens_have_no_loop():
 
     names = set(primitives(jaxpr.jaxpr))
     assert names & kernel_calls and "wgmma_wait" not in names, names  # the kernels are there, not entered
-    assert not names & {"while", "scan"}, sorted(names)
+    assert not names & {"while", "scan", "sort"}, sorted(names)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "dense"])
