@@ -207,3 +207,17 @@ def test_ranked_top_k_is_lax_top_k(values, k, rows):
     got_v, got_i = ranked_top_k(x, k)
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
     np.testing.assert_array_equal(np.asarray(got_v).view(np.int32), np.asarray(want_v).view(np.int32))
+
+
+def test_routing_top_k_ranks_decode_batches_and_sorts_prefill_chunks():
+    """The routing's top-k ranks a decode batch's scores (no sort on the MoE layer's critical path) and
+    leaves long prefill chunks to lax.top_k, whose cost does not grow with E per entry; equal results."""
+    from nemoh.layers import moe
+
+    rng = np.random.default_rng(3)
+    for tokens, expect_sort in ((64, False), (4096, True)):
+        x = jnp.asarray(np.round(rng.normal(size=(tokens, 128)) * 2).astype(np.float32))  # ties
+        primitives = str(jax.make_jaxpr(lambda v: moe.top_k(v, 6))(x))
+        assert ("top_k" in primitives) == expect_sort, tokens
+        got, want = moe.top_k(x, 6), jax.lax.top_k(x, 6)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
