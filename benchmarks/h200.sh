@@ -44,6 +44,8 @@ tree_id() { find nemoh pallas_kernels benchmarks -name '*.py' | LC_ALL=C sort | 
 echo "tree $(tree_id) ($(git rev-parse --short HEAD 2>/dev/null) $(git status --short 2>/dev/null | wc -l) changed)"
 quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\|\*\*\*\*"; }
 leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tail -60; }
+# kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
+CANDIDATE_TILINGS="mma_in_flight=1;bf16_operands=true;mma_in_flight=1,bf16_operands=true"
 
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
@@ -91,14 +93,14 @@ case "${1:-}" in
              # variant gated; the tilings after the part's name (default: the wgmma left in flight; bf16 operands;
              # both)
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
-      --tilings "${2:-mma_in_flight=1;bf16_operands=true;mma_in_flight=1,bf16_operands=true}" ;;
+      --tilings "${2:-$CANDIDATE_TILINGS}" ;;
   prefill-variants) # the same for prefill: one prompt of 2,048 tokens and 8 of 512
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches "" --prefill-shapes 1x2048,8x512 \
-      --tilings "${2:-mma_in_flight=1;bf16_operands=true;mma_in_flight=1,bf16_operands=true}" --rounds 6 ;;
+      --tilings "${2:-$CANDIDATE_TILINGS}" --rounds 6 ;;
   kernel-variants) # the kernels alone under the default tiling and the candidates of `variants`: GEMV fit, MoE
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \
-      --tilings "mma_in_flight=1;bf16_operands=true" ;;
+      --tilings "$CANDIDATE_TILINGS" ;;
   trace) for b in 1 32; do for graphs in "" --graphs; do
            leg 170 benchmarks/step_trace.py --batch $b ${2:+--tiling "$2"} $graphs
          done; done

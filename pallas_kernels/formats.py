@@ -321,12 +321,13 @@ class NVFP4Weight:
         Block c's low nibbles are W columns 16c..16c+7 and its high nibbles 16c+8..16c+15; concatenating
         8-column chunks keeps Mosaic's register layout (8 columns is one WGMMA layout tile).
         bfloat16 in PTX: codes placed as bfloat16 bits (times 2**-126, 0.5 a bfloat16 subnormal) times
-        the block scale times 2**119 (finite for every e4m3 scale); without PTX: the float16 operand,
-        converted and halved (the same values)."""
+        the block scale times operand_unit * 2**126 (2**119: finite for every e4m3 scale); without PTX: the
+        float16 operand, converted and rescaled to operand_unit (the same values)."""
         rows = codes.shape[0]
+        unit = NVFP4Weight.operand_unit(dtype)
         if dtype == jnp.bfloat16 and ptx:
             lo, hi = _ptx_decode(codes, jnp.bfloat16)
-            as_scale = lambda s: (s.astype(jnp.float16).astype(jnp.float32) * 2.0**119).astype(jnp.bfloat16)
+            as_scale = lambda s: (s.astype(jnp.float16).astype(jnp.float32) * (unit * 2.0**126)).astype(jnp.bfloat16)
         else:
             lo, hi = _ptx_decode(codes, jnp.float16) if ptx else e2m1_pair_to_f16(codes)
             as_scale = lambda s: s.astype(jnp.float16)
@@ -338,7 +339,7 @@ class NVFP4Weight:
         operand = jnp.concatenate(chunks, axis=1)
         if operand.dtype == dtype:
             return operand
-        return operand.astype(dtype) * jnp.asarray(0.5, dtype)
+        return operand.astype(dtype) * jnp.asarray(unit / E2M1_UNIT, dtype)
 
 
 @functools.partial(jax.jit, static_argnames="to_kernel")

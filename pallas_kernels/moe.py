@@ -67,7 +67,8 @@ def route_blocks(expert_idx, num_experts: int, tm: int = MOE_BLOCK_ROWS, valid=N
     if pairs <= COUNT_MAX_PAIRS:  # one compare-and-count XLA fuses into a reduction, no sort on the critical path
         earlier = pair_ids[None, :] < pair_ids[:, None]
         rank = jnp.sum((e[None, :] == e[:, None]) & earlier, axis=1, dtype=jnp.int32)
-    else:  # quadratic no more: the place in a stable sort by expert, less the expert's first place
+    else:  # beyond that a sort costs less than the quadratic count: the place in a stable sort by expert,
+        # less the expert's first place
         place = jnp.zeros((pairs,), jnp.int32).at[jnp.argsort(e, stable=True)].set(pair_ids)
         rank = place - (jnp.cumsum(counts) - counts)[e_kept]
     num_blocks = min(num_experts, pairs) + pairs // tm

@@ -61,8 +61,7 @@ def top_k(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     costs E comparisons an entry (on the CPU 67 ms against 1.5 ms for 2,048 tokens of 128 scores)."""
     if values.size * values.shape[-1] <= RANKED_TOP_K_MAX:
         return ranked_top_k(values, k)
-    values, idx = jax.lax.top_k(values, k)
-    return values, idx.astype(jnp.int32)
+    return jax.lax.top_k(values, k)
 
 
 def ranked_top_k(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
