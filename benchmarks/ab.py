@@ -2,7 +2,7 @@
 per tiling, timed calls interleaved A B B A ..., so drift and the spread between processes (0.07-0.17
 ms on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
 
-    PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] --tilings "mma_in_flight=1"
+    PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] --tilings "bf16_operands=false"
         [--prefill-shapes 1x2048] [--steps 32] [--rounds 4] [--no-gate] [--out DIR]
 
 Variant A is the default tiling, each --tilings entry (';' between them; benchmarks/common.py's
@@ -10,10 +10,10 @@ parse_tilings) a B. Per variant: the token gate of benchmarks/checks.py under th
 depth, real widths, against transformers) and the full-width layer check. Per batch: random prompts
 prefilled once per variant (same prompts), then per round one timed `steps`-step call of each variant;
 the result is each variant's median ms/step and the median, min and max over rounds of its ratio to A
-in the same round, and whether its greedy tokens equal A's: a tiling that changes the split-K sums may
-change roundings, so a mismatch is reported, not failed; for tilings whose products are the default's
-bit for bit (mma_in_flight, bf16_operands) it flags a fault, and it is the check that reaches
-bf16_operands, which the float32 gate does not. With --prefill-shapes, prefill (prompts x tokens) is
+in the same round, and whether its greedy tokens equal A's: a tiling that changes the split-K sums or
+the operand dtype (bf16_operands) may change roundings, so a mismatch is reported, not failed (random
+full-width nets amplify one flipped rounding into other tokens). The float32 gate does not reach
+bf16_operands (float32 activations take the float16 path); the layer check, in bf16, does. With --prefill-shapes, prefill (prompts x tokens) is
 compared the same way: one compiled prefill program per variant, interleaved calls, prompt tokens per
 second. Results: ab.jsonl and ab-<layout>.md in --out.
 """
@@ -136,7 +136,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="NANO_NVFP4")
     ap.add_argument("--batches", default="1,32", help='decode batches to compare ("" for none)')
-    ap.add_argument("--tilings", required=True, help='the B variants, e.g. "mma_in_flight=1;ctas_per_sm=8"')
+    ap.add_argument("--tilings", required=True, help='the B variants, e.g. "bf16_operands=false;ctas_per_sm=8"')
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)

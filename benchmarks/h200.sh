@@ -10,8 +10,8 @@
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
-#   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode, the
-#                                     # wgmma left in flight, bf16 operands)
+#   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
+#                                     # bf16 operands)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode under sets of XLA flags
@@ -20,7 +20,7 @@
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
 #   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
-#                                     # others (default: the wgmma left in flight; bf16 operands; both) in one
+#                                     # others (default: float16 operands, the earlier default) in one
 #                                     # process, calls interleaved, every variant gated (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
@@ -45,7 +45,7 @@ echo "tree $(tree_id) ($(git rev-parse --short HEAD 2>/dev/null) $(git status --
 quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\|\*\*\*\*"; }
 leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="mma_in_flight=1;bf16_operands=true;mma_in_flight=1,bf16_operands=true"
+CANDIDATE_TILINGS="bf16_operands=false"
 
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
@@ -65,7 +65,7 @@ case "${1:-}" in
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   kernel-tests)
     PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-      -k "tiny or test_linear or single_token or in_flight or bf16_operands" 2>&1 | tail -3 ;;
+      -k "tiny or test_linear or single_token or bf16_operands" 2>&1 | tail -3 ;;
   xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
              # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion
              # passes that fuse more, the decode loop itself recorded into the CUDA graph)
@@ -90,8 +90,7 @@ case "${1:-}" in
     (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
        --repeats 2 --no-gate --call-overhead) ;;
   variants) # kernel tilings against the default in one process, timed calls interleaved (benchmarks/ab.py), each
-             # variant gated; the tilings after the part's name (default: the wgmma left in flight; bf16 operands;
-             # both)
+             # variant gated; the tilings after the part's name (default: $CANDIDATE_TILINGS)
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
       --tilings "${2:-$CANDIDATE_TILINGS}" ;;
   prefill-variants) # the same for prefill: one prompt of 2,048 tokens and 8 of 512

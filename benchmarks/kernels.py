@@ -132,7 +132,7 @@ def matmul_cases(key, sweep, formats):
         for m in (1, 512) if fmt != "bf16" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
             builtin = [Tiling(ptx=False)] + ([Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])), Tiling(ctas_per_sm=8),
-                                              Tiling(mma_in_flight=1), Tiling(bf16_operands=True)] if m == 1 else [])
+                                              Tiling(bf16_operands=False)] if m == 1 else [])
             tilings = tilings_to_time(sweep, builtin)
             cases.append((f"{fmt} linear M={m} {HIDDEN}->{IN_PROJ}", x, ws if m == 1 else ws[:3], op,
                           reference.linear, nbytes(ws[0]), tilings))
@@ -188,8 +188,7 @@ def run_moe(key, sweep, rows, tokens, formats):
         xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
         print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
         tilings = tilings_to_time(sweep, [Tiling(ptx=False), Tiling(ctas_per_sm=8), Tiling(stages=2), Tiling(stages=6),
-                                          Tiling(tk=2 * stream_tk(up)), Tiling(mma_in_flight=1),
-                                          Tiling(bf16_operands=True)])
+                                          Tiling(tk=2 * stream_tk(up)), Tiling(bf16_operands=False)])
         best = None
         for t in tilings:
             fn = jax.jit(lambda x, ss, u, d, t=t: [moe_experts(x, *s, u, d, impl=IMPL, tiling=t) for s in ss])

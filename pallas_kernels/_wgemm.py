@@ -26,11 +26,7 @@ Blocks with eid[b] < 0 are skipped and their output left unwritten.
 
 stage_a: decoded A operands go registers -> SMEM -> wgmma instead of straight from registers. The
 interpreter only models SMEM operands, so interpret mode always stages. ptx: the format's hand-written
-PTX decode (GPU only; interpret mode runs the same decode in jnp). mma_in_flight: K steps whose wgmma
-is still running when the next step starts (0 or 1): with 1, step k+1's weight decode overlaps step k's
-wgmma, and the pipeline frees a step's SMEM tiles one step later (what the in-flight wgmma still reads).
-On the GPU it needs A from registers (a staged A's one SMEM buffer would be overwritten while read);
-the interpreter runs every wgmma at once, so there it only checks the pipeline's bookkeeping.
+PTX decode (GPU only; interpret mode runs the same decode in jnp).
 """
 
 from __future__ import annotations
@@ -80,10 +76,9 @@ def scale_rows_per_step(fmt, tk: int) -> int:
     return tk // per_row if per_row else 0
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "mma_in_flight",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                ptx: bool = False, mma_in_flight: int = 0, interpret=None):
+                ptx: bool = False, interpret=None):
     """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, tm, K]
     is every block's rows (one token's experts all read the same row)."""
     (num_blocks,), (x_blocks, tm, kx) = eid.shape, x.shape
@@ -97,10 +92,6 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     n_scale = scale_rows_per_step(fmt, tk)
     if (scale is None) != (n_scale == 0):
         raise ValueError(f"format {fmt} streams {n_scale} scale rows a step, got scale={scale is not None}")
-    if mma_in_flight not in (0, 1) or mma_in_flight >= stages:
-        raise ValueError(f"mma_in_flight={mma_in_flight}: must be 0 or 1, and below stages={stages}")
-    if mma_in_flight and stage_a and fmt is not None:
-        raise ValueError("mma_in_flight needs A from registers: a staged A is overwritten while the wgmma reads it")
     stage_a = (stage_a or interpret is not None) and fmt is not None
     ptx = ptx and interpret is None
     mma_dtype = x.dtype
@@ -129,22 +120,16 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                             plgpu.commit_smem()
                             a = a_smem
                     plgpu.wgmma(acc, a, x_smem.T)
-                    plgpu.wgmma_wait(mma_in_flight)
+                    plgpu.wgmma_wait(0)
 
                 k0 = s * steps
-                # the wgmma operands in SMEM (x, and a dense W) stay until the wgmma reading them is done
-                held = dict(delay_release=mma_in_flight)
-                specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx),
-                                         **held),
-                         plgpu.BlockSpec((TN, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk),
-                                         **(held if fmt is None else {}))]
+                specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx)),
+                         plgpu.BlockSpec((TN, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk))]
                 operands = [x_ref.at[b if x_blocks > 1 else 0], w_ref.at[e]]
                 if n_scale:
                     specs.append(plgpu.BlockSpec((n_scale, TN), lambda k: (k0 + k, ni)))
                     operands.append(s_ref.at[e])
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*operands)
-                if mma_in_flight:
-                    plgpu.wgmma_wait(0)
                 return acc[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((TN, tm)))

@@ -118,9 +118,9 @@ def test_ab_traces_each_variant_under_its_own_tiling():
     seen = []
     traced = jax.jit(lambda x: seen.append(_blocked.DEFAULT_TILING) or x + 1)
     default = _blocked.DEFAULT_TILING
-    for tiling in (Tiling(mma_in_flight=1), Tiling(ctas_per_sm=8)):
+    for tiling in (Tiling(bf16_operands=False), Tiling(ctas_per_sm=8)):
         with_tiling(tiling, lambda: traced.lower(jnp.zeros(3)).compile())
-    assert seen == [Tiling(mma_in_flight=1), Tiling(ctas_per_sm=8)] and _blocked.DEFAULT_TILING is default
+    assert seen == [Tiling(bf16_operands=False), Tiling(ctas_per_sm=8)] and _blocked.DEFAULT_TILING is default
     with pytest.raises(ZeroDivisionError):
         with_tiling(Tiling(stages=2), lambda: 1 / 0)
     assert _blocked.DEFAULT_TILING is default
@@ -132,9 +132,9 @@ def test_ab_compares_variants_call_by_call():
     tiling changes no value."""
     from benchmarks.ab import compare_batch
 
-    r = compare_batch(random_params(CONFIG, "NANO_NVFP4"), {"default": Tiling(), "in flight": Tiling(mma_in_flight=1)},
+    r = compare_batch(random_params(CONFIG, "NANO_NVFP4"), {"default": Tiling(), "two stages": Tiling(stages=2)},
                       batch=2, prompt=5, steps=2, rounds=2)
-    a, b = r["variants"]["default"], r["variants"]["in flight"]
+    a, b = r["variants"]["default"], r["variants"]["two stages"]
     assert a["ratio_to_a"] == [1.0, 1.0, 1.0] and len(b["ms_per_call_step"]) == 2 and b["ms_per_step"] > 0
     assert a["tokens_equal_a"] and b["tokens_equal_a"]
 
