@@ -46,7 +46,8 @@ tree_id() { find nemoh pallas_kernels benchmarks -name '*.py' | LC_ALL=C sort | 
 [ "${1:-}" = tree-id ] && { tree_id; exit 0; }
 echo "tree $(tree_id) ($(git rev-parse --short HEAD 2>/dev/null) $(git status --short 2>/dev/null | wc -l) changed)"
 quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\|\*\*\*\*"; }
-leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tail -60; }
+# a leg's whole output goes to $OUT/legs.log as well (the tail printed here may cut a long table)
+leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="bf16_operands=false"
 
