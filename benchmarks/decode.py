@@ -95,6 +95,7 @@ def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceilin
         "batch": batch, "prompt": prompt, "steps_timed": steps * repeats,
         "ms_per_step": 1e3 * step_s, "s_per_token": step_s / batch, "ms_per_token": 1e3 * step_s / batch,
         "tok_per_s": batch / step_s, "spread_ms": [1e3 * min(per_step), 1e3 * max(per_step)],
+        "ms_per_step_by_call": [1e3 * t for t in per_step],
         "prefill_compile_s": compiled["_prefill"], "decode_compile_s": compiled["_decode"],
         "prefill_first_call_s": prefill_first, "decode_compile_wait_s": decode_first - step_s * steps,
         "first_calls_s": prefill_first + decode_first - step_s * steps, "ttft_s": ttft,
@@ -166,7 +167,9 @@ def main() -> int:
                      tiling=args.tiling or "default")
             with jsonl.open("a") as f:
                 f.write(json.dumps(r) + "\n")
-            line = (f"[{layout}] batch {b}: {r['ms_per_step']:.3f} ms/step, {r['ms_per_token']:.3f} ms/token, "
+            by_call = "/".join(f"{t:.2f}" for t in r["ms_per_step_by_call"])
+            line = (f"[{layout}] batch {b}: {r['ms_per_step']:.3f} ms/step (timed calls {by_call}), "
+                    f"{r['ms_per_token']:.3f} ms/token, "
                     f"{r['tok_per_s']:.0f} tok/s, {100 * r['hbm_fraction']:.0f}% of HBM ceiling, "
                     f"decode compile {r['decode_compile_s']:.1f} s, prefill compile {r['prefill_compile_s']:.1f} s "
                     f"(first calls {r['first_calls_s']:.1f} s), "

@@ -47,7 +47,8 @@ tree_id() { find nemoh pallas_kernels benchmarks -name '*.py' | LC_ALL=C sort | 
 echo "tree $(tree_id) ($(git rev-parse --short HEAD 2>/dev/null) $(git status --short 2>/dev/null | wc -l) changed)"
 quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\|\*\*\*\*"; }
 # a leg's whole output goes to $OUT/legs.log as well (the tail printed here may cut a long table)
-leg() { local limit=$1; shift; timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
+leg() { local limit=$1; shift; mkdir -p "$OUT"
+        timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="bf16_operands=false"
 
@@ -110,9 +111,15 @@ case "${1:-}" in
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
-  loop-graph) # run 8: +WHILE,+CONDITIONAL alone left the loop on the host (the sampling branch's cub sort)
+  loop-graph) # run 8: +WHILE,+CONDITIONAL alone left the loop on the host (the sampling branch's cub sort). A
+              # loop recorded whole runs op by op on its first run after any program loads (XLA re-records its
+              # graphs then): four timed calls, each call's time printed
     flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_enable_cub_radix_sort=false"
-    bash benchmarks/h200.sh xla-flags "$flags"
+    for f in "" "$flags"; do
+      echo "== XLA_FLAGS=$f"
+      (export XLA_FLAGS="$f"; OUT="$OUT/loop-graph$(echo "$f" | md5sum | cut -c1-6)" leg 170 benchmarks/decode.py \
+         --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 4 --no-gate 2>&1 | grep "^\[\|rror")
+    done
     (export XLA_FLAGS="$flags"; leg 170 benchmarks/step_trace.py --batch 1 --graphs | head -30
      bash benchmarks/h200.sh idle) ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode

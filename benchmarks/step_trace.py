@@ -77,11 +77,14 @@ def trace(params, batch: int, steps: int, prompt: int = 64):
     """(events of one middle decode step in launch order, scopes, the compiled decode HLO text)."""
     cfg = params.config
     prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=batch)]
-    carry = prefill(params, prompts, max_new_tokens=4 * steps + 4, sampling=Sampling(), stop_ids=(), seed=0,
+    carry = prefill(params, prompts, max_new_tokens=5 * steps + 4, sampling=Sampling(), stop_ids=(), seed=0,
                     cache=CacheSpec())
-    carry = decode(params, carry, steps)
-    jax.block_until_ready(carry.tokens)
+    # Compile for the HLO text first: XLA clears every program's recorded CUDA graphs when it loads one, and
+    # the first run after that records them again (a whole loop recorded as one graph runs op by op then).
     hlo = _decode.lower(params, carry, np.int32(steps)).compile().as_text()
+    for _ in range(2):
+        carry = decode(params, carry, steps)
+    jax.block_until_ready(carry.tokens)
     events, _ = kernel_events(lambda: jax.block_until_ready(decode(params, carry, steps).tokens))
     per_step = len(events) // steps
     middle = events[per_step * (steps // 2): per_step * (steps // 2 + 1)]

@@ -71,6 +71,7 @@ def test_decode_leg_reports_its_figures_and_splits_call_time():
     r = time_batch(random_params(CONFIG, "NANO_NVFP4"), 2, prompt=5, steps=2, repeats=2, ceiling=1.0, profile=False,
                    overhead=True)
     assert r["steps_timed"] == 4 and r["tok_per_s"] > 0 and r["ms_per_token"] == r["ms_per_step"] / 2
+    assert len(r["ms_per_step_by_call"]) == 2 and np.isclose(np.median(r["ms_per_step_by_call"]), r["ms_per_step"])
     assert r["decode_compile_s"] > 0 and r["prefill_compile_s"] > 0 and r["weight_bytes_per_token"] > 0
     assert r["call_overhead"]["ms_per_step"] > 0 and set(r["call_overhead"]) == {"fixed_ms_per_call", "ms_per_step"}
 
