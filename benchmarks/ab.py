@@ -13,9 +13,9 @@ the result is each variant's median ms/step and the median, min and max over rou
 in the same round, and whether its greedy tokens equal A's: a tiling that changes the split-K sums or
 the operand dtype (bf16_operands) may change roundings, so a mismatch is reported, not failed (random
 full-width nets amplify one flipped rounding into other tokens). The float32 gate does not reach
-bf16_operands (float32 activations take the float16 path); the layer check, in bf16, does. With --prefill-shapes, prefill (prompts x tokens) is
-compared the same way: one compiled prefill program per variant, interleaved calls, prompt tokens per
-second. Results: ab.jsonl and ab-<layout>.md in --out.
+bf16_operands (float32 activations take the float16 path); the layer check, in bf16, does. With
+--prefill-shapes, prefill (prompts x tokens) is compared the same way: one compiled prefill program per
+variant, interleaved calls, prompt tokens per second. Results: ab.jsonl and ab-<layout>.md in --out.
 """
 
 from __future__ import annotations
