@@ -73,15 +73,17 @@ case "${1:-}" in
       -k "tiny or test_linear or single_token or bf16_operands" 2>&1 | tail -3 ;;
   xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
              # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion
-             # passes that fuse more, the decode loop itself recorded into the CUDA graph)
+             # passes that fuse more, the decode loop itself recorded into the CUDA graph). Four timed calls, each
+             # printed: a loop recorded whole runs op by op on its first run after any program loads (XLA
+             # re-records its graphs then), which a median of two would hide
     shift
     [ $# -gt 0 ] || set -- --xla_gpu_enable_pdl=true "--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" \
       --xla_gpu_experimental_enable_fusion_block_level_rewriter=true \
       --xla_gpu_experimental_enable_same_shape_multi_output_fusion=true --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
     for flags in "" "$@"; do
       echo "== XLA_FLAGS=${flags}"
-      (export XLA_FLAGS="$flags"; OUT="$OUT/xla-flags$(echo "$flags" | md5sum | cut -c1-6)" leg 110 benchmarks/decode.py \
-         --layouts NANO_NVFP4 --batches 1 --profile-batches "" --steps 32 --repeats 2 --no-gate 2>&1 | grep "^\[\|rror")
+      (export XLA_FLAGS="$flags"; OUT="$OUT/xla-flags$(echo "$flags" | md5sum | cut -c1-6)" leg 130 benchmarks/decode.py \
+         --layouts NANO_NVFP4 --batches 1 --profile-batches "" --steps 32 --repeats 4 --no-gate 2>&1 | grep "^\[\|rror")
     done ;;
   compare) # same card, same protocol: the baseline tree, then this one
     if [ -d _old/nemoh ]; then
@@ -111,15 +113,9 @@ case "${1:-}" in
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
-  loop-graph) # run 8: +WHILE,+CONDITIONAL alone left the loop on the host (the sampling branch's cub sort). A
-              # loop recorded whole runs op by op on its first run after any program loads (XLA re-records its
-              # graphs then): four timed calls, each call's time printed
+  loop-graph) # run 8: +WHILE,+CONDITIONAL alone left the loop on the host (the sampling branch's cub sort)
     flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_enable_cub_radix_sort=false"
-    for f in "" "$flags"; do
-      echo "== XLA_FLAGS=$f"
-      (export XLA_FLAGS="$f"; OUT="$OUT/loop-graph$(echo "$f" | md5sum | cut -c1-6)" leg 170 benchmarks/decode.py \
-         --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 --repeats 4 --no-gate 2>&1 | grep "^\[\|rror")
-    done
+    bash benchmarks/h200.sh xla-flags "$flags"
     (export XLA_FLAGS="$flags"; leg 170 benchmarks/step_trace.py --batch 1 --graphs | head -30
      bash benchmarks/h200.sh idle) ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode

@@ -3,7 +3,7 @@ its layer scope and the HLO ops XLA fused into it. Where the per-kind breakdown 
 says how much, this says which launches to remove.
 
     PYTHONPATH=. python3 benchmarks/step_trace.py [--layout NANO_NVFP4] [--pattern MEME] [--batch 1]
-        [--steps 8] [--tiling "bf16_operands=true"] [--graphs] [--out DIR]
+        [--steps 8] [--tiling "bf16_operands=false"] [--graphs] [--out DIR]
 
 Random params at Nano widths with the given (short) layer pattern, built on the device; a profiled
 decode call of `steps` steps; the launches of its middle step are printed and written to
@@ -114,7 +114,7 @@ def main() -> int:
     ap.add_argument("--pattern", default="MEME")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "bf16_operands=true"')
+    ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "bf16_operands=false"')
     ap.add_argument("--graphs", action="store_true",
                     help="keep XLA's command buffers (CUDA graphs) under the profiler, as timed calls run; XLA "
                     "otherwise launches a profiled program op by op")
