@@ -20,8 +20,9 @@
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
 #   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
-#                                     # others (default: float16 operands, the earlier default) in one
-#                                     # process, calls interleaved, every variant gated (benchmarks/ab.py)
+#                                     # others (default: split-K for 4 CTAs per SM at decode, the earlier
+#                                     # default) in one process, calls interleaved, every variant gated
+#                                     # (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
@@ -50,7 +51,7 @@ quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\
 leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="bf16_operands=false"
+CANDIDATE_TILINGS="decode_ctas_per_sm=4"
 
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \

@@ -375,7 +375,7 @@ def test_k_steps_past_the_activations(fmt, tk, ctas_per_sm, monkeypatch):
     monkeypatch.setattr(_blocked, "num_sms", lambda: 1)  # ctas_per_sm CTAs in all: that many splits
     rng = _rng(9)
     x, w = _x(rng, (2, 320), jnp.bfloat16), WEIGHTS[fmt](rng, (), 64, 320)
-    tiling = Tiling(tk=tk, ctas_per_sm=ctas_per_sm)
+    tiling = Tiling(tk=tk, ctas_per_sm=ctas_per_sm, decode_ctas_per_sm=ctas_per_sm)
     fmt_class = type(w) if fmt != "dense" else None
     _, splits, k_total = _plan(fmt_class, (w.stream()[0] if fmt_class else w).dtype, 320, 8, 1, 1, tiling)
     assert splits > 1 and k_total - 320 >= 64, (splits, k_total)  # a whole step of each split-K plan past K
@@ -411,13 +411,20 @@ def test_bf16_operands_give_the_float16_paths_products(fmt):
 def test_bf16_operands_keep_a_rows_small_entries(fmt):
     """A row whose entries lie far below its max (relu**2 activations have such rows): rescaled to
     float16 they become subnormals that keep a few bits, as bfloat16 operands they stay whole. So the
-    default is the more exact of the two paths there, not the float16 path's bit for bit."""
+    default is the more exact of the two paths there, not the float16 path's bit for bit. The weight's
+    column under the row's max is zero, so the output is the small entries' sum alone: on tensor cores a
+    large product in the same sum would absorb their low bits in either path."""
     rng = _rng(16)
     w = WEIGHTS[fmt](rng, (), 64, 320)
+    if fmt == "nvfp4":  # element 0 is the low nibble of each row's first byte
+        w = dataclasses.replace(w, packed=w.packed.at[:, 0].set(w.packed[:, 0] & 0xF0))
+    else:
+        w = dataclasses.replace(w, data=w.data.at[:, 0].set(0))
     x = np.asarray(_x(rng, (2, 320), jnp.float32)) * 2.0**-20  # float16 subnormals of about three bits
     x[:, 0] = 1.0
     x = jnp.asarray(x, jnp.bfloat16)
     ref = _f64(x) @ _f64(dequantize(w)).T
+    assert np.abs(ref).max() < 2.0**-10  # the max's product is zero: the small entries make the output
     stacked = jax.tree.map(lambda a: a[None], w)  # the blocked product's float32 output: no output rounding
     product = lambda tiling: _blocked.blocked_linear(_blocked.row_blocks(x, 8), jnp.zeros((1,), jnp.int32), stacked,
                                                      IMPL, tiling)[0, :2]
@@ -452,6 +459,15 @@ def test_nvfp4_long_k_steps_only_where_the_grid_fills_the_gpu():
     assert plan(NVFP4Weight, jnp.uint8, 32, 161, 1) == 64  # a GEMV of 32 rows
     assert plan(NVFP4Weight, jnp.uint8, 64, 29, 4 * sms) == 64  # prefill blocks
     assert plan(FP8Weight, jnp.float8_e4m3fn, 64, 29, 6) == 128
+
+
+def test_decode_size_blocks_split_k_for_more_ctas(monkeypatch):
+    """Blocks of up to 8 rows plan split-K for decode_ctas_per_sm CTAs per SM, larger blocks for
+    ctas_per_sm: a GEMV 2688 -> 10304 (161 weight tiles of NVFP4, 21 K steps) on 132 SMs."""
+    monkeypatch.setattr(_blocked, "num_sms", lambda: 132)
+    splits = lambda tm, tiling: _plan(NVFP4Weight, jnp.uint8, 2688, tm, 161, 1, tiling)[1]
+    assert splits(8, Tiling()) == 7 and splits(32, Tiling()) == 4  # 7 x 3 steps for 8 rows, 4 x 6 for 32
+    assert splits(8, Tiling(decode_ctas_per_sm=4)) == 4 and splits(32, Tiling(ctas_per_sm=8)) == 7
 
 
 def test_moe_experts_many_tokens_have_no_loop():
