@@ -31,9 +31,6 @@
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
 #   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
 #                                     # 13-layer batch-1 decode, this tree and one extracted to _old
-#   bash benchmarks/h200.sh loop-graph  # the decode loop and the sampler's cond as CUDA graph conditional
-#                                     # nodes, with XLA's sort kernels (cub's sort is a custom call no graph
-#                                     # records): batch-1 decode both ways, the step traced as graphs, thunks
 #
 # The token gate needs transformers and torch: NEMOH_ORACLE_PYTHON, .venv-oracle, or (the GPU image)
 # the interpreter running the benchmark.
@@ -114,11 +111,6 @@ case "${1:-}" in
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) leg 560 benchmarks/compile.py --variants default,no_triton_gemm,serial ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
-  loop-graph) # run 8: +WHILE,+CONDITIONAL alone left the loop on the host (the sampling branch's cub sort)
-    flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_enable_cub_radix_sort=false"
-    bash benchmarks/h200.sh xla-flags "$flags"
-    (export XLA_FLAGS="$flags"; leg 170 benchmarks/step_trace.py --batch 1 --graphs | head -30
-     bash benchmarks/h200.sh idle) ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
         # program, this tree and (when present) an older one extracted to _old, e.g. a8f5353 with
         # `git archive a8f5353 | tar -x -C _old` (copy this benchmarks/profile.py over its own)

@@ -5,6 +5,8 @@ Cases: NVFP4 / FP8 / bf16 GEMV 2688 -> 10304 (mamba in_proj) at M=1, the same as
 and MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688; and 32 tokens, a batch-32 step, which
 reads most experts once) with bf16 / FP8 / NVFP4 experts; the MoE floor counts the experts selected.
 --only scaling: the M=1 GEMV for growing N, fitted to kernel µs = fixed cost + bytes / rate.
+--only splits: each weight kernel of a batch-1 Mamba + MoE layer pair under split-K plans for 2..16 CTAs
+per SM (Tiling.decode_ctas_per_sm).
 
 Timing: each jitted call runs the op over R rotated weight copies (or R expert selections), so the
 weights are not L2-resident and launch gaps are those of one compiled program; reported time is the
@@ -29,9 +31,10 @@ import jax.numpy as jnp
 
 from benchmarks.common import hbm_ceiling_gbs, parse_tilings
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, is_quantized, linear, moe_experts, reference
-from pallas_kernels._blocked import Tiling, default_tk
+from pallas_kernels._blocked import TN, Tiling, _plan, blocked_linear, default_tk, row_blocks
 
 HIDDEN, IN_PROJ, EXPERTS, TOPK, FFN = 2688, 10304, 128, 6, 1856
+D_INNER, SHARED_FFN = 4096, 3712  # Mamba out_proj input, shared expert width
 IMPL = "pallas"
 CEILING_ELEMS = 1 << 30  # 2 GiB of bf16 for the HBM ceiling
 MAX_REL_ERR = 2e-2
@@ -131,7 +134,7 @@ def matmul_cases(key, sweep, formats):
         ws = [mk(k, (), IN_PROJ, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, len(cases)), copies)]
         for m in (1, 512) if fmt != "bf16" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
-            builtin = [Tiling(ptx=False)] + ([Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])), Tiling(ctas_per_sm=8),
+            builtin = [Tiling(ptx=False)] + ([Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])), Tiling(decode_ctas_per_sm=4),
                                               Tiling(bf16_operands=False)] if m == 1 else [])
             tilings = tilings_to_time(sweep, builtin)
             cases.append((f"{fmt} linear M={m} {HIDDEN}->{IN_PROJ}", x, ws if m == 1 else ws[:3], op,
@@ -187,7 +190,7 @@ def run_moe(key, sweep, rows, tokens, formats):
         ref = reference.moe_experts(x, *sel[0], up, down)
         xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
         print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
-        tilings = tilings_to_time(sweep, [Tiling(ptx=False), Tiling(ctas_per_sm=8), Tiling(stages=2), Tiling(stages=6),
+        tilings = tilings_to_time(sweep, [Tiling(ptx=False), Tiling(decode_ctas_per_sm=4), Tiling(stages=2), Tiling(stages=6),
                                           Tiling(tk=2 * stream_tk(up)), Tiling(bf16_operands=False)])
         best = None
         for t in tilings:
@@ -275,6 +278,55 @@ def run_scaling(key, formats):
                   flush=True)
 
 
+SPLIT_TARGETS = (2, 4, 6, 8, 12, 16)  # decode_ctas_per_sm values --only splits times
+
+
+def run_splits(key, formats):
+    """Each weight kernel of a batch-1 Mamba + MoE layer pair (one token, so blocks of 8 rows) under the
+    split-K plans of SPLIT_TARGETS CTAs per SM, CUPTI kernel time; a plan equal to an earlier one is
+    skipped; each plan's error against a float32 reference first. Linear layers: weight copies rotated;
+    experts: disjoint selections of one stack."""
+    copies = 16
+    shapes = (("mamba in_proj", 1, IN_PROJ, HIDDEN), ("mamba out_proj", 1, HIDDEN, D_INNER),
+              ("shared up", 1, SHARED_FFN, HIDDEN), ("shared down", 1, HIDDEN, SHARED_FFN),
+              ("experts up", TOPK, FFN, HIDDEN), ("experts down", TOPK, HIDDEN, FFN))
+    for fmt in formats:
+        mk = FORMATS[fmt]
+        for name, blocks, n, k in shapes:
+            wkey = jax.random.fold_in(key, n * k + blocks)
+            if blocks == 1:
+                ws = [mk(kk, (1,), n, k) for kk in jax.random.split(wkey, copies)]
+                eids = [jnp.zeros((1,), jnp.int32)] * copies
+            else:
+                ws = [mk(wkey, (EXPERTS,), n, k)] * copies
+                perm = jax.random.permutation(wkey, EXPERTS).astype(jnp.int32)
+                eids = [jnp.roll(perm, -i * blocks)[:blocks] for i in range(copies)]
+            # up projections: every block reads the token's row; down: each expert its own row
+            rows_in = blocks if name == "experts down" else 1
+            xb = jnp.concatenate([row_blocks(jax.random.normal(jax.random.fold_in(key, r), (1, k), jnp.float32)
+                                             .astype(jnp.bfloat16), 8) for r in range(rows_in)])
+            x_rows = jnp.broadcast_to(xb[:, 0].astype(jnp.float32), (blocks, k))
+            ref = jnp.einsum("bk,bnk->bn", x_rows, dequantize(ws[0], jnp.float32)[eids[0]],
+                             precision=jax.lax.Precision.HIGHEST)
+            stream, plans = ws[0].stream()[0] if is_quantized(ws[0]) else ws[0], set()
+            for c in SPLIT_TARGETS:
+                t = Tiling(decode_ctas_per_sm=c)
+                tk, splits, _ = _plan(type(ws[0]) if is_quantized(ws[0]) else None, stream.dtype, k, 8, n // TN,
+                                      blocks, t)
+                if (tk, splits) in plans:
+                    continue
+                plans.add((tk, splits))
+                fn = jax.jit(lambda xb, ws, eids, t=t: [blocked_linear(xb, e, w, IMPL, t) for w, e in zip(ws, eids)])
+                err = max_rel(fn(xb, ws, eids)[0][:, 0], ref)
+                us = wall_us(fn, (xb, ws, eids), 10) / copies
+                k_us, all_us = kernel_us(fn, (xb, ws, eids), copies)
+                print(f"  splits {fmt} {name} {blocks}x{n}x{k} decode_ctas_per_sm={c}: tk={tk} splits={splits} "
+                      f"CTAs={n // TN * blocks * splits}: err {err:.1e}, op {us:.1f} us, kernel {k_us}, "
+                      f"all kernels {all_us}",
+                      flush=True)
+            del ws
+
+
 def table(rows, device, ceiling):
     lines = [f"device: {device}; HBM ceiling (2 GiB bf16: best of a read and an in-place scale): "
              f"{ceiling:.0f} GB/s", "",
@@ -293,14 +345,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.md")
-    parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32,scaling")
+    parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32,scaling,splits")
     parser.add_argument("--formats", default="bf16,fp8,nvfp4", help="comma list of weight formats")
     parser.add_argument("--tilings", default="", help='tilings to time besides the default, e.g. "tk=128;ctas_per_sm=8"')
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     args = parser.parse_args()
     if args.smoke:
-        global HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS, SCALING_N, SCALING_BYTES
+        global HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS, SCALING_N, SCALING_BYTES, D_INNER, SHARED_FFN
         HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS = 128, 128, 8, 64, "interpret", 1 << 20
+        D_INNER, SHARED_FFN = 128, 128
         SCALING_N, SCALING_BYTES = (64, 128), 1 << 14
     EXTRA_TILINGS[:] = parse_tilings(args.tilings)
     device = jax.devices()[0].device_kind
@@ -317,6 +370,8 @@ def main():
         run_matmuls(key, args.sweep, rows, formats)
     if "scaling" in only:
         run_scaling(key, formats)
+    if "splits" in only:
+        run_splits(key, formats)
     for tokens in (1, 32):
         if f"moe{tokens}" in only or "moe" in only:
             run_moe(key, args.sweep, rows, tokens, formats)
