@@ -41,8 +41,8 @@ class Tiling:
     weights decode to bfloat16 for bf16 activations (see the module docstring).
 
     Blocks of up to 8 rows aim for more CTAs: their split-K partial sums are small, and more, shorter
-    CTAs run a GEMV's K loop faster (H100, NVFP4 M=1: 2688 -> 10304 10.4 µs with 7 splits against
-    12.1 µs with 4; batch-1 decode 4.3% faster at Nano dims). Larger blocks write tm rows of partial
+    CTAs run a GEMV's K loop faster (H100, NVFP4 M=1: 2688 -> 10304 10.6 µs with 7 splits against
+    12.2 µs with 4; batch-1 decode ~4% faster at Nano dims). Larger blocks write tm rows of partial
     sums per split, which cost more than the shorter K loops save (batch 32: 1.5% slower at 8)."""
 
     tk: int | None = None
