@@ -1,13 +1,18 @@
-"""Kernel tilings compared on the decode step (and prefill) in one process: one model, one compiled program
-per tiling, timed calls interleaved A B B A ..., so drift and the spread between processes (0.07-0.17
-ms on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
+"""Kernel tilings or XLA options compared on the decode step (and prefill) in one process: one model, one
+compiled program per variant, timed calls interleaved A B B A ..., so drift and the spread between
+processes (0.07-0.17 ms on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
 
-    PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] --tilings "bf16_operands=false"
-        [--prefill-shapes 1x2048] [--steps 32] [--rounds 4] [--no-gate] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] [--tilings "bf16_operands=false"]
+        [--xla-options "xla_gpu_enable_cub_radix_sort=false"] [--prefill-shapes 1x2048] [--steps 32]
+        [--rounds 4] [--no-gate] [--out DIR]
 
-Variant A is the default tiling, each --tilings entry (';' between them; benchmarks/common.py's
-parse_tilings) a B. Per variant: the token gate of benchmarks/checks.py under that tiling (fp32, reduced
-depth, real widths, against transformers) and the full-width layer check. Per batch: random prompts
+Variant A is the default tiling under the engine's own XLA options, each --tilings entry (';' between
+them; benchmarks/common.py's parse_tilings) and each --xla-options set (';' between sets, spaces between
+options; parse_xla_options) a B; an option set is compiled into the compared programs on top of
+nemoh.engine.xla_options. Per tiling: the token gate of benchmarks/checks.py under that tiling (fp32,
+reduced depth, real widths, against transformers) and the full-width layer check; an option set shares
+the default's (they compile without it), and what checks its program is the comparison of its timed
+calls' tokens with the default's. Per batch: random prompts
 prefilled once per variant (same prompts), then per round one timed `steps`-step call of each variant;
 the result is each variant's median ms/step and the median, min and max over rounds of its ratio to A
 in the same round, and whether its greedy tokens equal A's: a tiling that changes the split-K sums or
@@ -21,6 +26,7 @@ variant, interleaved calls, prompt tokens per second. Results: ab.jsonl and ab-<
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -32,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
-from benchmarks.common import add_model_args, model_setup, parse_tilings
+from benchmarks.common import add_model_args, model_setup, parse_tilings, parse_xla_options
 from benchmarks.prefill import parse_shapes
 from nemoh.engine.decode import _decode, finish_compiling
 from nemoh.engine.kv_pages import CacheSpec
@@ -41,6 +47,19 @@ from nemoh.engine.sampling import Sampling
 from nemoh.gate import default_prompts
 from nemoh.random_params import random_params
 from pallas_kernels import _blocked
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compared program: the kernel tiling it is traced under and XLA options compiled into it (on
+    top of the engine's own)."""
+
+    tiling: _blocked.Tiling = _blocked.Tiling()
+    xla: tuple[tuple[str, object], ...] = ()
+
+    def compile(self, lower):
+        """lower() -> Lowered, traced under this tiling, compiled with these options."""
+        return with_tiling(self.tiling, lambda: lower().compile(dict(self.xla) or None))
 
 
 def with_tiling(tiling, fn):
@@ -93,8 +112,8 @@ def compare_batch(params, variants: dict, batch: int, prompt: int, steps: int, r
                                 sampling=Sampling(),
                                 stop_ids=(), seed=0, cache=CacheSpec())
     finish_compiling()  # the decode program prefill compiles ahead is traced under the default tiling
-    programs = {name: with_tiling(t, lambda: _decode.lower(params, carries[name], np.int32(steps)).compile())
-                for name, t in variants.items()}
+    programs = {name: v.compile(lambda: _decode.lower(params, carries[name], np.int32(steps)))
+                for name, v in variants.items()}
 
     def call(name):
         carries[name] = programs[name](params, carries[name], np.int32(steps))
@@ -118,7 +137,7 @@ def compare_prefill(params, variants: dict, rows: int, tokens: int, rounds: int)
     kw = dict(max_new_tokens=16, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(), prefill_chunk=None,
               mesh=None, rules=None)
     p, x, static = prefill_program(params, prompts, **kw)
-    programs = {name: with_tiling(t, lambda: _prefill.lower(p, x, **static).compile()) for name, t in variants.items()}
+    programs = {name: v.compile(lambda: _prefill.lower(p, x, **static)) for name, v in variants.items()}
     firsts = {}
 
     def call(name):  # the inputs are donated: fresh ones each call
@@ -136,26 +155,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="NANO_NVFP4")
     ap.add_argument("--batches", default="1,32", help='decode batches to compare ("" for none)')
-    ap.add_argument("--tilings", required=True, help='the B variants, e.g. "bf16_operands=false;ctas_per_sm=8"')
+    ap.add_argument("--tilings", default="", help='B variants, e.g. "bf16_operands=false;decode_ctas_per_sm=4"')
+    ap.add_argument("--xla-options", default="",
+                    help='B variants, e.g. "xla_gpu_enable_cub_radix_sort=false xla_gpu_enable_command_buffer=FUSION"')
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--prefill-shapes", default="", help='prefill comparisons after the decode ones, e.g. "1x2048"')
     add_model_args(ap)
     args = ap.parse_args()
-    tilings = parse_tilings(args.tilings)
-    variants = {"default": _blocked.Tiling(), **{s: t for s, t in zip(args.tilings.split(";"), tilings)}}
+    variants = {"default": Variant(),
+                **{s: Variant(t) for s, t in zip(filter(None, args.tilings.split(";")), parse_tilings(args.tilings))},
+                **{s.strip(): Variant(xla=tuple(o.items()))
+                   for s, o in zip(filter(None, (p.strip() for p in args.xla_options.split(";"))),
+                                   parse_xla_options(args.xla_options))}}
+    if len(variants) < 2:
+        ap.error("name at least one B variant: --tilings or --xla-options")
     out_dir, work, cfg, _ = model_setup(args)
     device = jax.devices()[0].device_kind
     md = [f"device {device}, jax {jax.__version__}; model {cfg.pattern} ({cfg.num_layers} layers), bf16, "
           f"{args.layout}, prompt {args.prompt}, {args.rounds} rounds of {args.steps}-step calls", ""]
-    checks = {}
-    for name, tiling in variants.items():
-        checks[name] = with_tiling(tiling, lambda: gate_line(args.layout, work, Path(args.dims), args.no_gate))
+    checks, tilings = {}, {v.tiling for v in variants.values()}
+    gates = {t: with_tiling(t, lambda: gate_line(args.layout, work, Path(args.dims), args.no_gate)) for t in tilings}
     params = random_params(cfg, args.layout, dtype=jnp.bfloat16)
-    for name, tiling in variants.items():
-        _, line = with_tiling(tiling, lambda: layer_check_line(params, args.prompt))
-        checks[name] = f"{checks[name]} | {line}"
+    layer_checks = {t: with_tiling(t, lambda: layer_check_line(params, args.prompt))[1] for t in tilings}
+    for name, v in variants.items():
+        shared = " (checks compiled without its XLA options)" if v.xla else ""
+        checks[name] = f"{gates[v.tiling]} | {layer_checks[v.tiling]}{shared}"
         log(f"[{name}] {checks[name]}")
         md.append(f"- {name}: {checks[name]}")
     md.append("")

@@ -106,6 +106,23 @@ def parse_tilings(spec: str) -> list:
     return tilings
 
 
+def parse_xla_options(spec: str) -> list[dict]:
+    """XLA option sets from "key=value key=value;key=value" (';' between sets, spaces between options);
+    true/false become booleans and integers ints, anything else stays a string (a comma list included)."""
+    sets = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        options = {}
+        for item in part.split():
+            key, _, value = item.partition("=")
+            if not key.startswith("xla_") or not value:
+                raise ValueError(f"bad XLA option {item!r} in {spec!r}: want xla_...=VALUE")
+            low = value.lower()
+            options[key] = low == "true" if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() \
+                else value
+        sets.append(options)
+    return sets
+
+
 def hbm_ceiling_gbs(elements: int = 1 << 30) -> float:
     """Measured HBM bandwidth, GB/s: the faster of reading a 2 GiB bf16 array (a sum) and scaling it in
     place (read + write, the buffer donated), each the median of 10 after a warm-up. A copy into a new

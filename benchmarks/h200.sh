@@ -24,6 +24,9 @@
 #                                     # default) in one process, calls interleaved, every variant gated
 #                                     # (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512
+#   bash benchmarks/h200.sh xla-variants [SETS]  # NANO_NVFP4 decode batches 1,32: XLA options compiled into the
+#                                     # decode program against the engine's own, in one process (default: the
+#                                     # sampler's cond as a CUDA graph conditional node, XLA's sort for cub's)
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
 #                                     # order, batches 1 and 32, op by op and as CUDA graphs (benchmarks/step_trace.py),
@@ -49,6 +52,10 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="decode_ctas_per_sm=4"
+# XLA options not yet the engine's, timed against its own by `xla-variants` (';' between sets): XLA's default
+# command buffer types plus CONDITIONAL, and XLA's sort kernels instead of cub's (a custom call no graph records)
+CANDIDATE_XLA="xla_gpu_enable_cub_radix_sort=false \
+xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL"
 
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
@@ -101,6 +108,8 @@ case "${1:-}" in
   prefill-variants) # the same for prefill: one prompt of 2,048 tokens and 8 of 512
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches "" --prefill-shapes 1x2048,8x512 \
       --tilings "${2:-$CANDIDATE_TILINGS}" --rounds 6 ;;
+  xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
+                  --xla-options "${2:-$CANDIDATE_XLA}" ;;
   kernel-variants) # the kernels alone under the default tiling and the candidates of `variants`: GEMV fit, MoE
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \

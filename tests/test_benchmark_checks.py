@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import benchmarks.checks as checks
-from benchmarks.common import hbm_ceiling_gbs, parse_tilings
+from benchmarks.common import hbm_ceiling_gbs, parse_tilings, parse_xla_options
 from nemoh.config import NemotronHConfig
 from nemoh.random_params import random_params
 from oracle_configs import QUANTISABLE_WIDTHS
@@ -103,6 +103,11 @@ def test_tiling_specs_parse_to_tilings_and_bad_names_are_refused():
     assert parse_tilings("tk=128,ctas_per_sm=8;stages=2,ptx=false") == [Tiling(tk=128, ctas_per_sm=8),
                                                                        Tiling(stages=2, ptx=False)]
     assert parse_tilings("") == []
+    assert parse_xla_options("xla_a=FUSION,CONDITIONAL xla_b=false; xla_c=-3") == [
+        {"xla_a": "FUSION,CONDITIONAL", "xla_b": False}, {"xla_c": -3}]
+    assert parse_xla_options("") == []
+    with pytest.raises(ValueError, match="want xla_"):
+        parse_xla_options("cub=false")
     with pytest.raises(ValueError, match="tiles"):
         parse_tilings("tiles=4")
     with pytest.raises(ValueError, match="tk="):
@@ -131,21 +136,32 @@ def test_ab_compares_variants_call_by_call():
     """benchmarks/ab.py on a tiny model (CPU figures: only their shape is checked): one median and one
     ratio to the default per variant, the default's own ratio 1, and the same greedy tokens where the
     tiling changes no value."""
-    from benchmarks.ab import compare_batch
+    from benchmarks.ab import Variant, compare_batch
 
-    r = compare_batch(random_params(CONFIG, "NANO_NVFP4"), {"default": Tiling(), "two stages": Tiling(stages=2)},
-                      batch=2, prompt=5, steps=2, rounds=2)
+    variants = {"default": Variant(), "two stages": Variant(Tiling(stages=2)),
+                "no cub sort": Variant(xla=(("xla_gpu_enable_cub_radix_sort", False),))}
+    r = compare_batch(random_params(CONFIG, "NANO_NVFP4"), variants, batch=2, prompt=5, steps=2, rounds=2)
     a, b = r["variants"]["default"], r["variants"]["two stages"]
     assert a["ratio_to_a"] == [1.0, 1.0, 1.0] and len(b["ms_per_call_step"]) == 2 and b["ms_per_step"] > 0
-    assert a["tokens_equal_a"] and b["tokens_equal_a"]
+    assert all(v["tokens_equal_a"] for v in r["variants"].values())
+
+
+def test_ab_compiles_a_variants_xla_options():
+    """An XLA option set reaches the compile of its program: a misspelt option fails there."""
+    from benchmarks.ab import Variant
+
+    lowered = lambda: jax.jit(lambda x: x + 1).lower(jnp.zeros(3))
+    assert Variant(xla=(("xla_gpu_enable_cub_radix_sort", False),)).compile(lowered)(jnp.zeros(3)).tolist() == [1] * 3
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        Variant(xla=(("xla_gpu_no_such_option", True),)).compile(lowered)
 
 
 def test_ab_compares_prefill_programs():
     """benchmarks/ab.py's prefill comparison on a tiny model: a rate per variant from calls on fresh
     (donated) inputs, and the same first tokens."""
-    from benchmarks.ab import compare_prefill
+    from benchmarks.ab import Variant, compare_prefill
 
-    r = compare_prefill(random_params(CONFIG, "NANO_NVFP4"), {"default": Tiling(), "two stages": Tiling(stages=2)},
+    r = compare_prefill(random_params(CONFIG, "NANO_NVFP4"), {"default": Variant(), "two stages": Variant(Tiling(stages=2))},
                         rows=2, tokens=9, rounds=2)
     assert set(r["variants"]) == {"default", "two stages"} and r["variants"]["default"]["ratio_to_a"] == [1.0, 1.0, 1.0]
     assert all(v["tok_per_s"] > 0 and v["tokens_equal_a"] for v in r["variants"].values())
