@@ -6,21 +6,21 @@ processes (0.07-0.17 ms on the H100 at batch 1, as much as the levers tried) can
         [--xla-options "xla_gpu_enable_cub_radix_sort=false"] [--prefill-shapes 1x2048] [--steps 32]
         [--rounds 4] [--no-gate] [--out DIR]
 
-Variant A is the default tiling under the engine's own XLA options, each --tilings entry (';' between
+Variant A is the default tiling under the engine's own XLA options; each --tilings entry (';' between
 them; benchmarks/common.py's parse_tilings) and each --xla-options set (';' between sets, spaces between
-options; parse_xla_options) a B; an option set is compiled into the compared programs on top of
+options; parse_xla_options) is a B, an option set being compiled into its programs on top of
 nemoh.engine.xla_options. Per tiling: the token gate of benchmarks/checks.py under that tiling (fp32,
 reduced depth, real widths, against transformers) and the full-width layer check; an option set shares
 the default's (they compile without it), and what checks its program is the comparison of its timed
-calls' tokens with the default's. Per batch: random prompts
-prefilled once per variant (same prompts), then per round one timed `steps`-step call of each variant;
-the result is each variant's median ms/step and the median, min and max over rounds of its ratio to A
-in the same round, and whether its greedy tokens equal A's: a tiling that changes the split-K sums or
-the operand dtype (bf16_operands) may change roundings, so a mismatch is reported, not failed (random
-full-width nets amplify one flipped rounding into other tokens). The float32 gate does not reach
-bf16_operands (float32 activations take the float16 path); the layer check, in bf16, does. With
---prefill-shapes, prefill (prompts x tokens) is compared the same way: one compiled prefill program per
-variant, interleaved calls, prompt tokens per second. Results: ab.jsonl and ab-<layout>.md in --out.
+calls' tokens with the default's. Per batch: random prompts prefilled once per variant (same prompts),
+then per round one timed `steps`-step call of each variant; the result is each variant's median
+ms/step and the median, min and max over rounds of its ratio to A in the same round, and whether its
+greedy tokens equal A's: a tiling that changes the split-K sums or the operand dtype (bf16_operands)
+may change roundings, so a mismatch is reported, not failed (random full-width nets amplify one flipped
+rounding into other tokens). The float32 gate does not reach bf16_operands (float32 activations take
+the float16 path); the layer check, in bf16, does. With --prefill-shapes, prefill (prompts x tokens)
+is compared the same way: one compiled prefill program per variant, interleaved calls, prompt tokens
+per second. Results: ab.jsonl and ab-<layout>.md in --out.
 """
 
 from __future__ import annotations
