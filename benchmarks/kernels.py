@@ -134,8 +134,9 @@ def matmul_cases(key, sweep, formats):
         ws = [mk(k, (), IN_PROJ, HIDDEN) for k in jax.random.split(jax.random.fold_in(key, len(cases)), copies)]
         for m in (1, 512) if fmt != "bf16" else (1,):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, HIDDEN), jnp.float32).astype(jnp.bfloat16)
-            builtin = [Tiling(ptx=False)] + ([Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])), Tiling(decode_ctas_per_sm=4),
-                                              Tiling(bf16_operands=False)] if m == 1 else [])
+            builtin = [Tiling(ptx=False)] + ([Tiling(stages=2), Tiling(tk=2 * stream_tk(ws[0])),
+                                              Tiling(decode_ctas_per_sm=4), Tiling(bf16_operands=False)]
+                                             if m == 1 else [])
             tilings = tilings_to_time(sweep, builtin)
             cases.append((f"{fmt} linear M={m} {HIDDEN}->{IN_PROJ}", x, ws if m == 1 else ws[:3], op,
                           reference.linear, nbytes(ws[0]), tilings))
@@ -190,8 +191,8 @@ def run_moe(key, sweep, rows, tokens, formats):
         ref = reference.moe_experts(x, *sel[0], up, down)
         xla_us = wall_us(xla_fn, (x, sel, up, down), 20) / copies
         print(f"  moe {fmt} xla impl: {xla_us:.1f} us", flush=True)
-        tilings = tilings_to_time(sweep, [Tiling(ptx=False), Tiling(decode_ctas_per_sm=4), Tiling(stages=2), Tiling(stages=6),
-                                          Tiling(tk=2 * stream_tk(up)), Tiling(bf16_operands=False)])
+        tilings = tilings_to_time(sweep, [Tiling(ptx=False), Tiling(decode_ctas_per_sm=4), Tiling(stages=2),
+                                          Tiling(stages=6), Tiling(tk=2 * stream_tk(up)), Tiling(bf16_operands=False)])
         best = None
         for t in tilings:
             fn = jax.jit(lambda x, ss, u, d, t=t: [moe_experts(x, *s, u, d, impl=IMPL, tiling=t) for s in ss])
@@ -308,11 +309,12 @@ def run_splits(key, formats):
             x_rows = jnp.broadcast_to(xb[:, 0].astype(jnp.float32), (blocks, k))
             ref = jnp.einsum("bk,bnk->bn", x_rows, dequantize(ws[0], jnp.float32)[eids[0]],
                              precision=jax.lax.Precision.HIGHEST)
-            stream, plans = ws[0].stream()[0] if is_quantized(ws[0]) else ws[0], set()
+            fmt_class = type(ws[0]) if is_quantized(ws[0]) else None
+            stream_dtype = (ws[0].stream()[0] if fmt_class else ws[0]).dtype
+            plans = set()
             for c in SPLIT_TARGETS:
                 t = Tiling(decode_ctas_per_sm=c)
-                tk, splits, _ = _plan(type(ws[0]) if is_quantized(ws[0]) else None, stream.dtype, k, 8, n // TN,
-                                      blocks, t)
+                tk, splits, _ = _plan(fmt_class, stream_dtype, k, 8, n // TN, blocks, t)
                 if (tk, splits) in plans:
                     continue
                 plans.add((tk, splits))
@@ -322,8 +324,7 @@ def run_splits(key, formats):
                 k_us, all_us = kernel_us(fn, (xb, ws, eids), copies)
                 print(f"  splits {fmt} {name} {blocks}x{n}x{k} decode_ctas_per_sm={c}: tk={tk} splits={splits} "
                       f"CTAs={n // TN * blocks * splits}: err {err:.1e}, op {us:.1f} us, kernel {k_us}, "
-                      f"all kernels {all_us}",
-                      flush=True)
+                      f"all kernels {all_us}", flush=True)
             del ws
 
 

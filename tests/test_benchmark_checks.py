@@ -161,8 +161,8 @@ def test_ab_compares_prefill_programs():
     (donated) inputs, and the same first tokens."""
     from benchmarks.ab import Variant, compare_prefill
 
-    r = compare_prefill(random_params(CONFIG, "NANO_NVFP4"), {"default": Variant(), "two stages": Variant(Tiling(stages=2))},
-                        rows=2, tokens=9, rounds=2)
+    variants = {"default": Variant(), "two stages": Variant(Tiling(stages=2))}
+    r = compare_prefill(random_params(CONFIG, "NANO_NVFP4"), variants, rows=2, tokens=9, rounds=2)
     assert set(r["variants"]) == {"default", "two stages"} and r["variants"]["default"]["ratio_to_a"] == [1.0, 1.0, 1.0]
     assert all(v["tok_per_s"] > 0 and v["tokens_equal_a"] for v in r["variants"].values())
 
