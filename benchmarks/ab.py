@@ -3,8 +3,8 @@ compiled program per variant, timed calls interleaved A B B A ..., so drift and 
 processes (0.07-0.17 ms on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
 
     PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] [--tilings "bf16_operands=false"]
-        [--xla-options "xla_gpu_enable_cub_radix_sort=false"] [--prefill-shapes 1x2048] [--steps 32]
-        [--rounds 4] [--no-gate] [--out DIR]
+        [--xla-options "xla_gpu_enable_cub_radix_sort=false"] [--sampling "temperature=0.8,top_p=0.9"]
+        [--prefill-shapes 1x2048] [--steps 32] [--rounds 4] [--no-gate] [--out DIR]
 
 Variant A is the default tiling under the engine's own XLA options; each --tilings entry (';' between
 them; benchmarks/common.py's parse_tilings) and each --xla-options set (';' between sets, spaces between
@@ -15,12 +15,13 @@ the default's (they compile without it), and what checks its program is the comp
 calls' tokens with the default's. Per batch: random prompts prefilled once per variant (same prompts),
 then per round one timed `steps`-step call of each variant; the result is each variant's median
 ms/step and the median, min and max over rounds of its ratio to A in the same round, and whether its
-greedy tokens equal A's: a tiling that changes the split-K sums or the operand dtype (bf16_operands)
-may change roundings, so a mismatch is reported, not failed (random full-width nets amplify one flipped
-rounding into other tokens). The float32 gate does not reach bf16_operands (float32 activations take
-the float16 path); the layer check, in bf16, does. With --prefill-shapes, prefill (prompts x tokens)
-is compared the same way: one compiled prefill program per variant, interleaved calls, prompt tokens
-per second. Results: ab.jsonl and ab-<layout>.md in --out.
+tokens equal A's (greedy, or with --sampling drawn from the same seeds, which runs the sampler): a
+tiling that changes the split-K sums or the operand dtype (bf16_operands) may change roundings, so a
+mismatch is reported, not failed (random full-width nets amplify one flipped rounding into other
+tokens). The float32 gate does not reach bf16_operands (float32 activations take the float16 path);
+the layer check, in bf16, does. With --prefill-shapes, prefill (prompts x tokens) is compared the same
+way: one compiled prefill program per variant, interleaved calls, prompt tokens per second. Results:
+ab.jsonl and ab-<layout>.md in --out.
 """
 
 from __future__ import annotations
@@ -103,13 +104,16 @@ def ratios_to_first(seconds: dict[str, list[float]]) -> dict[str, list[float]]:
             for name, r in ((name, [b / a for b, a in zip(s, first)]) for name, s in seconds.items())}
 
 
-def compare_batch(params, variants: dict, batch: int, prompt: int, steps: int, rounds: int) -> dict:
-    """Per variant: median ms/step; per B: median/min/max of its per-round ratio to A, tokens equal to A's."""
+def compare_batch(params, variants: dict, batch: int, prompt: int, steps: int, rounds: int,
+                  sampling: Sampling = Sampling()) -> dict:
+    """Per variant: median ms/step; per B: median/min/max of its per-round ratio to A, tokens equal to A's.
+    Tokens are greedy, or drawn with `sampling` (same seeds for every variant: equal programs draw equal
+    tokens)."""
     prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [prompt] * batch, seed=batch)]
     carries = {}
     for name in variants:  # prefill under the default tiling: the prefill program is not compared here
         carries[name] = prefill(params, prompts, max_new_tokens=steps * (rounds + WARM_ROUNDS[1]) + 2,
-                                sampling=Sampling(),
+                                sampling=sampling,
                                 stop_ids=(), seed=0, cache=CacheSpec())
     finish_compiling()  # the decode program prefill compiles ahead is traced under the default tiling
     programs = {name: v.compile(lambda: _decode.lower(params, carries[name], np.int32(steps)))
@@ -121,7 +125,8 @@ def compare_batch(params, variants: dict, batch: int, prompt: int, steps: int, r
 
     seconds = interleaved({name: (lambda name=name: call(name)) for name in variants}, rounds)
     a = next(iter(variants))
-    out = {"batch": batch, "prompt": prompt, "steps": steps, "rounds": rounds, "variants": {}}
+    out = {"batch": batch, "prompt": prompt, "steps": steps, "rounds": rounds,
+           "sampling": dataclasses.asdict(sampling), "variants": {}}
     for name, ratio in ratios_to_first(seconds).items():
         same = bool(np.array_equal(np.asarray(carries[name].sequences), np.asarray(carries[a].sequences)))
         out["variants"][name] = {"ms_per_step": 1e3 * statistics.median(seconds[name]) / steps,
@@ -151,6 +156,18 @@ def compare_prefill(params, variants: dict, rows: int, tokens: int, rounds: int)
         for name, ratio in ratios_to_first(seconds).items()}}
 
 
+def parse_sampling(spec: str) -> Sampling:
+    """"temperature=0.8,top_k=50,top_p=0.9" -> Sampling (any of the three; "" is greedy)."""
+    kinds = {"temperature": float, "top_k": int, "top_p": float}
+    kw = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name not in kinds or not value:
+            raise ValueError(f"bad sampling item {item!r} in {spec!r}; fields: {sorted(kinds)}")
+        kw[name] = kinds[name](value)
+    return Sampling(**kw)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="NANO_NVFP4")
@@ -161,6 +178,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--sampling", default="", help='decode tokens drawn, not greedy, e.g. "temperature=0.8,top_p=0.9"')
     ap.add_argument("--prefill-shapes", default="", help='prefill comparisons after the decode ones, e.g. "1x2048"')
     add_model_args(ap)
     args = ap.parse_args()
@@ -185,8 +203,10 @@ def main() -> int:
         log(f"[{name}] {checks[name]}")
         md.append(f"- {name}: {checks[name]}")
     md.append("")
-    legs = [(f"batch {b}", "ms_per_step", "{:.3f} ms/step",
-             lambda b=b: compare_batch(params, variants, b, args.prompt, args.steps, args.rounds))
+    sampling = parse_sampling(args.sampling)
+    drawn = f" {args.sampling}" if args.sampling else ""
+    legs = [(f"batch {b}{drawn}", "ms_per_step", "{:.3f} ms/step",
+             lambda b=b: compare_batch(params, variants, b, args.prompt, args.steps, args.rounds, sampling))
             for b in (int(x) for x in args.batches.split(",") if x)]
     legs += [(f"prefill {rows}x{tokens}", "tok_per_s", "{:.0f} tok/s",
               lambda rows=rows, tokens=tokens: compare_prefill(params, variants, rows, tokens, args.rounds))

@@ -24,9 +24,10 @@
 #                                     # default) in one process, calls interleaved, every variant gated
 #                                     # (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512
-#   bash benchmarks/h200.sh xla-variants [SETS]  # NANO_NVFP4 decode batches 1,32: XLA options compiled into the
-#                                     # decode program against the engine's own, in one process (default: the
-#                                     # sampler's cond as a CUDA graph conditional node, XLA's sort for cub's)
+#   bash benchmarks/h200.sh xla-variants [SETS] [SAMPLING]  # NANO_NVFP4 decode batches 1,32: XLA options compiled
+#                                     # into the decode program against the engine's own, in one process
+#                                     # (default: the sampler's cond as a CUDA graph conditional node, XLA's
+#                                     # sort for cub's); greedy, or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
 #                                     # order, batches 1 and 32, op by op and as CUDA graphs (benchmarks/step_trace.py),
@@ -109,7 +110,7 @@ case "${1:-}" in
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches "" --prefill-shapes 1x2048,8x512 \
       --tilings "${2:-$CANDIDATE_TILINGS}" --rounds 6 ;;
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
-                  --xla-options "${2:-$CANDIDATE_XLA}" ;;
+                  --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
   kernel-variants) # the kernels alone under the default tiling and the candidates of `variants`: GEMV fit, MoE
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \

@@ -14,6 +14,7 @@ import pytest
 import benchmarks.checks as checks
 from benchmarks.common import hbm_ceiling_gbs, parse_tilings, parse_xla_options
 from nemoh.config import NemotronHConfig
+from nemoh.engine.sampling import Sampling
 from nemoh.random_params import random_params
 from oracle_configs import QUANTISABLE_WIDTHS
 from pallas_kernels import linear
@@ -144,6 +145,21 @@ def test_ab_compares_variants_call_by_call():
     a, b = r["variants"]["default"], r["variants"]["two stages"]
     assert a["ratio_to_a"] == [1.0, 1.0, 1.0] and len(b["ms_per_call_step"]) == 2 and b["ms_per_step"] > 0
     assert all(v["tokens_equal_a"] for v in r["variants"].values())
+
+
+def test_ab_compares_sampled_tokens():
+    """With sampling settings every variant draws from the same seeds: programs that compute the same
+    values draw the same tokens (the sampler's branch runs), and the settings are recorded."""
+    from benchmarks.ab import Variant, compare_batch, parse_sampling
+
+    sampling = parse_sampling("temperature=0.8,top_k=20,top_p=0.9")
+    assert sampling == Sampling(temperature=0.8, top_k=20, top_p=0.9) and parse_sampling("") == Sampling()
+    with pytest.raises(ValueError, match="top_q"):
+        parse_sampling("top_q=0.9")
+    variants = {"default": Variant(), "no cub sort": Variant(xla=(("xla_gpu_enable_cub_radix_sort", False),))}
+    r = compare_batch(random_params(CONFIG, "NANO_NVFP4"), variants, batch=2, prompt=5, steps=3, rounds=2,
+                      sampling=sampling)
+    assert r["sampling"]["top_k"] == 20 and all(v["tokens_equal_a"] for v in r["variants"].values())
 
 
 def test_ab_compiles_a_variants_xla_options():
