@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
-from benchmarks.common import add_model_args, model_setup, parse_tilings, parse_xla_options
+from benchmarks.common import add_model_args, model_setup, parse_sampling, parse_tilings, parse_xla_options
 from benchmarks.prefill import parse_shapes
 from nemoh.engine.decode import _decode, finish_compiling
 from nemoh.engine.kv_pages import CacheSpec
@@ -154,18 +154,6 @@ def compare_prefill(params, variants: dict, rows: int, tokens: int, rounds: int)
         name: {"tok_per_s": rows * tokens / statistics.median(seconds[name]), "ratio_to_a": ratio,
                "tokens_equal_a": bool(np.array_equal(firsts[name], firsts[a]))}
         for name, ratio in ratios_to_first(seconds).items()}}
-
-
-def parse_sampling(spec: str) -> Sampling:
-    """"temperature=0.8,top_k=50,top_p=0.9" -> Sampling (any of the three; "" is greedy)."""
-    kinds = {"temperature": float, "top_k": int, "top_p": float}
-    kw = {}
-    for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        if name not in kinds or not value:
-            raise ValueError(f"bad sampling item {item!r} in {spec!r}; fields: {sorted(kinds)}")
-        kw[name] = kinds[name](value)
-    return Sampling(**kw)
 
 
 def main() -> int:

@@ -116,11 +116,30 @@ def parse_xla_options(spec: str) -> list[dict]:
             key, _, value = item.partition("=")
             if not key.startswith("xla_") or not value:
                 raise ValueError(f"bad XLA option {item!r} in {spec!r}: want xla_...=VALUE")
-            low = value.lower()
-            options[key] = low == "true" if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() \
-                else value
+            options[key] = _option_value(value)
         sets.append(options)
     return sets
+
+
+def _option_value(value: str):
+    """"true"/"false" -> bool, an integer -> int, anything else as it is."""
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
+def parse_sampling(spec: str) -> Sampling:
+    """"temperature=0.8,top_k=50,top_p=0.9" -> Sampling (any of the three; "" is greedy)."""
+    from nemoh.engine.sampling import Sampling
+
+    kinds = {"temperature": float, "top_k": int, "top_p": float}
+    kw = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name not in kinds or not value:
+            raise ValueError(f"bad sampling item {item!r} in {spec!r}; fields: {sorted(kinds)}")
+        kw[name] = kinds[name](value)
+    return Sampling(**kw)
 
 
 def hbm_ceiling_gbs(elements: int = 1 << 30) -> float:

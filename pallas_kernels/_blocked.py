@@ -57,9 +57,12 @@ class Tiling:
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
 
 
+DECODE_BLOCK_ROWS = 8  # the smallest activation block (wgmma N): a decode batch of up to 8 tokens
+
+
 def block_rows(m: int) -> int:
-    """Activation rows per block (the wgmma N side): 8 for decode, up to 128 for prefill."""
-    tm = 8
+    """Activation rows per block (the wgmma N side): DECODE_BLOCK_ROWS for decode, up to 128 for prefill."""
+    tm = DECODE_BLOCK_ROWS
     while tm < min(m, 128):
         tm *= 2
     return tm
@@ -136,7 +139,7 @@ def _plan(fmt, w_dtype, k: int, tm: int, n_tiles: int, num_blocks: int, tiling: 
     """(tk, splits, padded K) for one call: K steps of tk streamed elements, split so ~ctas_per_sm CTAs
     per SM (decode_ctas_per_sm for blocks of at most 8 rows) share the weight stream."""
     per = fmt.K_PER_ELEMENT if fmt else 1
-    target = (tiling.decode_ctas_per_sm if tm <= 8 else tiling.ctas_per_sm) * num_sms()
+    target = (tiling.decode_ctas_per_sm if tm <= DECODE_BLOCK_ROWS else tiling.ctas_per_sm) * num_sms()
     tk = tiling.tk or default_tk(w_dtype, per, tm, n_tiles * num_blocks >= target)
     if fmt is None:  # swizzled W tiles: tk must divide K (K % 16 == 0 always allows 32 bytes)
         while k % tk:

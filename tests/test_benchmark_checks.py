@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import benchmarks.checks as checks
-from benchmarks.common import hbm_ceiling_gbs, parse_tilings, parse_xla_options
+from benchmarks.common import hbm_ceiling_gbs, parse_sampling, parse_tilings, parse_xla_options
 from nemoh.config import NemotronHConfig
 from nemoh.engine.sampling import Sampling
 from nemoh.random_params import random_params
@@ -150,7 +150,7 @@ def test_ab_compares_variants_call_by_call():
 def test_ab_compares_sampled_tokens():
     """With sampling settings every variant draws from the same seeds: programs that compute the same
     values draw the same tokens (the sampler's branch runs), and the settings are recorded."""
-    from benchmarks.ab import Variant, compare_batch, parse_sampling
+    from benchmarks.ab import Variant, compare_batch
 
     sampling = parse_sampling("temperature=0.8,top_k=20,top_p=0.9")
     assert sampling == Sampling(temperature=0.8, top_k=20, top_p=0.9) and parse_sampling("") == Sampling()
