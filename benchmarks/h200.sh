@@ -28,6 +28,8 @@
 #                                     # into the decode program against the engine's own, in one process
 #                                     # (default: the sampler's cond as a CUDA graph conditional node, XLA's
 #                                     # sort for cub's); greedy, or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
+#   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
+#                                     # a sort's, then sample() per setting and the cut against a sort (sampler.py)
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
 #                                     # order, batches 1 and 32, op by op and as CUDA graphs (benchmarks/step_trace.py),
@@ -53,8 +55,9 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="decode_ctas_per_sm=4"
-# XLA options not yet the engine's, timed against its own by `xla-variants` (';' between sets): XLA's default
-# command buffer types plus CONDITIONAL, and XLA's sort kernels instead of cub's (a custom call no graph records)
+# XLA options not the engine's, timed against its own by `xla-variants` (';' between sets): XLA's default
+# command buffer types plus CONDITIONAL, and XLA's sort kernels instead of cub's (a custom call no graph records).
+# Measured on an H100 (BENCHMARKS run 10): 0.8-1.8% slower at batch 1, 0.4-1.2% faster at 32; not adopted
 CANDIDATE_XLA="xla_gpu_enable_cub_radix_sort=false \
 xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL"
 
@@ -111,6 +114,7 @@ case "${1:-}" in
       --tilings "${2:-$CANDIDATE_TILINGS}" --rounds 6 ;;
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
                   --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
+  sampler) leg 200 benchmarks/sampler.py --batches 1,8,32 ;;
   kernel-variants) # the kernels alone under the default tiling and the candidates of `variants`: GEMV fit, MoE
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \

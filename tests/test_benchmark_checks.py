@@ -1,6 +1,7 @@
 """benchmarks/checks.py's per-layer check (every layer kind and the lm_head, for a dense and an NVFP4 model:
 tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding), its
-margin check's perturbation, and the HBM ceiling and tiling parser of benchmarks/common.py."""
+margin check's perturbation, the HBM ceiling and tiling parser of benchmarks/common.py, and the sampler
+benchmark's check."""
 
 from __future__ import annotations
 
@@ -194,3 +195,19 @@ def test_gate_asks_the_oracle_once_per_checkpoint(monkeypatch):
     checks.oracle_tokens("/ckpt-b", ((1, 2), (3,)))
     assert len(calls) == 2 and calls[0][0]["prompts"] == [[1, 2], [3]]
     checks.oracle_tokens.cache_clear()
+
+
+def test_sampler_benchmark_checks_its_cut_then_times(tmp_path, monkeypatch):
+    """benchmarks/sampler.py checks the cut against the sort's before timing, and records both."""
+    import json
+    import sys
+
+    import benchmarks.sampler as sampler
+
+    monkeypatch.setattr(sys, "argv", ["sampler.py", "--batches", "1,9", "--vocab", "64", "--out", str(tmp_path)])
+    monkeypatch.setattr(sampler, "loop_us", lambda fn, *args, iters=50: float(np.asarray(fn(*args, jnp.int32(1))).size))
+    with pytest.raises(SystemExit) as done:
+        sampler.main()
+    records = [json.loads(line) for line in (tmp_path / "sampler.jsonl").read_text().splitlines()]
+    assert done.value.code == 0 and [r["cut_rows_equal_to_sorted"] for r in records] == [1, 9]
+    assert set(records[1]["us"]) == {f"sample {name}" for name in sampler.SETTINGS} | {"cut alone", "sorted cut alone"}

@@ -1,6 +1,7 @@
 """Per-row sampling: a prompt's tokens depend only on (params, prompt, settings, seed), never on its
-batch mates or position; per-row settings and seeds; seeds used whole; and varied generate() calls
-reuse a few compiled programs (counted through jax.monitoring's compile events)."""
+batch mates or position; per-row settings and seeds; seeds used whole; varied generate() calls
+reuse a few compiled programs (counted through jax.monitoring's compile events); and the sort-free
+top-k / top-p cut keeps what a sort keeps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import nemoh
 from compile_events import compiles
@@ -98,3 +101,42 @@ def test_rows_are_bitwise_batch_independent_in_bf16_and_fp32():
         alone = [np.asarray(prefill(params, [p, [5]], max_new_tokens=4).logits[0]) for p in prompts]
         batch = np.asarray(prefill(params, prompts[::-1] + [[7] * 20], max_new_tokens=4).logits)
         assert all((batch[len(prompts) - 1 - i] == alone[i]).all() for i in range(len(prompts))), dtype
+
+
+def _kept_by_sorting(x: np.ndarray, k: int, p: float) -> tuple[int, float]:
+    """The rule written out with a sort, in float64: how many entries top-k then top-p keep (ties at
+    the cut included), and the distance of the last kept entry's mass-ahead from top_p."""
+    desc = -np.sort(-x.astype(np.float64))
+    probs = np.exp(desc[:k])
+    probs /= probs.sum()
+    ahead = np.cumsum(probs) - probs
+    rank = k if p >= 1 else int(np.sum(ahead < p))
+    margin = np.inf if p >= 1 else np.min(np.abs(ahead - p))
+    return int(np.sum(x >= desc[rank - 1])), margin
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_cut_keeps_what_sorting_keeps(data):
+    """The sampler's sort-free cut keeps exactly what sorting keeps: top-k (ties at the k-th value
+    kept), then the nucleus of the renormalised top-k mass, on values with ties and -inf entries; with
+    3 rows (4-bit search passes) and 9 (1-bit passes)."""
+    from nemoh.engine.sampling import _cut
+
+    v, rows = data.draw(st.sampled_from([1, 2, 7, 40])), data.draw(st.sampled_from([3, 9]))  # 8 programs
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    scale = data.draw(st.sampled_from([0.0, 0.05, 1.0, 4.0, 60.0]))
+    x = (rng.standard_normal((rows, v)) * scale).astype(np.float32)
+    if data.draw(st.booleans()):
+        x = np.round(x)  # ties
+    x[:, : data.draw(st.integers(0, v - 1))] = -np.inf  # left out by an earlier mask
+    x -= x.max(-1, keepdims=True)
+    k = np.asarray([data.draw(st.integers(1, v + 3)) for _ in range(rows)], np.int32)  # beyond V: no limit
+    p = np.asarray([data.draw(st.sampled_from([0.01, 0.3, 0.5, 0.9, 0.999, 1.0])) for _ in range(rows)], np.float32)
+    cut = np.asarray(jax.jit(_cut)(jnp.asarray(x), jnp.asarray(k), jnp.asarray(p)))
+    for row in range(rows):
+        kept, margin = _kept_by_sorting(x[row], min(int(k[row]), v), float(p[row]))
+        event(f"kept {'all' if kept == v else 'some'}")
+        if margin > 1e-5:  # else rounding decides on which side of top_p the last entry falls
+            assert int(np.sum(x[row] >= cut[row])) == kept, (x[row], k[row], p[row], cut[row])

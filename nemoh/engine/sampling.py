@@ -94,19 +94,64 @@ def sampling_state(sampling: Sampling, seeds: list[int], prompts: list[np.ndarra
     )
 
 
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys of float32 x that order as x does (-inf lowest; -0.0 just below +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _key_value(key: jax.Array) -> jax.Array:
+    """The float32 whose _ordered_keys key this is."""
+    return jax.lax.bitcast_convert_type(jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key), jnp.float32)
+
+
+def _largest_key(keys: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the largest key t with sum(weight[keys >= t]) >= target (weights >= 0, target at most the
+    row's whole sum), settled from the top bit down, a pass of 2**bits - 1 fused compare-and-sums over
+    the row settling `bits` bits. keys [B, V] uint32, weight [B, V] and target [B] of one dtype -> [B]
+    uint32, a key of the row.
+
+    A few rows are launch-bound: 8 passes of 4 bits. Many rows are bandwidth-bound: 32 passes of one bit
+    read the row least. H100, V = 131,072, the whole cut: 1 row 86 µs (4 bits) against 239 (1 bit);
+    32 rows 364 µs (1 bit) against 632 (4 bits) and ~890 µs for a sort alone."""
+    bits = 4 if keys.shape[0] < 8 else 1
+    digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
+    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
+    for shift in range(32 - bits, -1, -bits):
+        bound = prefix[:, None] | (digits << shift)[None, :]  # [B, 2**bits - 1]
+        total = jnp.sum(jnp.where(keys[:, None, :] >= bound[:, :, None], weight[:, None, :], 0), axis=2)
+        digit = jnp.sum(total >= target[:, None], axis=-1, dtype=jnp.uint32)  # holds for digits 1..digit
+        prefix = prefix | (digit << shift)
+    return prefix
+
+
+def _cut(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per row, the smallest value kept by top-k then top-p, found without a sort (at vocab 131,072 and
+    32 rows a sort takes ~0.9 ms on an H100, most of a sampled step's sampling).
+
+    x [B, V] fp32 with max 0 per row; top_k [B] >= 1 (V or more: no limit); top_p [B] in (0, 1]. Top-k
+    keeps the values >= the k-th largest (ties kept); their softmax mass Z counts exactly k entries.
+    Top-p keeps each value whose mass strictly above it is < top_p * Z: the cut is the largest value v
+    with mass(x >= v) >= top_p * Z, or the k-th largest value where that is lower. Returns [B] fp32.
+    """
+    if x.shape[-1] == 1:  # one value (whose reductions would vanish, leaving XLA an unrolled chain)
+        return x[:, 0]
+    keys = _ordered_keys(x)
+    top_k = jnp.minimum(top_k, x.shape[-1])
+    kth = _largest_key(keys, jnp.ones(x.shape, jnp.int32), top_k)
+    e = jnp.exp(x)
+    above = keys > kth[:, None]
+    z = jnp.sum(jnp.where(above, e, 0.0), -1) + (top_k - jnp.sum(above, -1)) * jnp.exp(_key_value(kth))
+    nucleus = _largest_key(keys, e, top_p * z)
+    cut = jnp.where(top_p >= 1, kth, jnp.maximum(kth, nucleus))  # no rounding cut at top_p = 1
+    return _key_value(cut)
+
+
 def _draw(logits: jax.Array, s: SamplingState, step: jax.Array) -> jax.Array:
-    """Temperature, then top-k, then top-p, each per row, with one sort; a categorical draw per row."""
+    """Temperature, then top-k, then top-p, each per row (no sort: see _cut); a categorical draw per row."""
     t = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     x = (logits - jnp.max(logits, axis=-1, keepdims=True)) / t  # <= 0: no overflow at tiny temperatures
-    desc = -jnp.sort(-x, axis=-1)
-    rank = jnp.arange(x.shape[-1])[None, :]
-    in_k = rank < s.top_k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
-    ahead = jnp.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each token
-    nucleus = (ahead < s.top_p[:, None]) | (s.top_p[:, None] >= 1)  # no rounding cut at top_p = 1
-    kept = jnp.sum(in_k & nucleus, axis=-1)  # >= 1: the top token always stays
-    cut = jnp.take_along_axis(desc, kept[:, None] - 1, axis=-1)
-    x = jnp.where(x >= cut, x, -jnp.inf)
+    x = jnp.where(x >= _cut(x, s.top_k, s.top_p)[:, None], x, -jnp.inf)
     keys = jax.vmap(lambda k, n: jax.random.fold_in(jax.random.wrap_key_data(k, impl="threefry2x32"), n))(
         s.keys, step)
     return jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
