@@ -120,11 +120,10 @@ def _kept_by_sorting(x: np.ndarray, k: int, p: float) -> tuple[int, float]:
 @given(data=st.data())
 def test_cut_keeps_what_sorting_keeps(data):
     """The sampler's sort-free cut keeps exactly what sorting keeps: top-k (ties at the k-th value
-    kept), then the nucleus of the renormalised top-k mass, on values with ties and -inf entries; with
-    3 rows (4-bit search passes) and 9 (1-bit passes)."""
+    kept), then the nucleus of the renormalised top-k mass, on values with ties and -inf entries."""
     from nemoh.engine.sampling import _cut
 
-    v, rows = data.draw(st.sampled_from([1, 2, 7, 40])), data.draw(st.sampled_from([3, 9]))  # 8 programs
+    v, rows = data.draw(st.sampled_from([1, 2, 7, 40])), data.draw(st.sampled_from([1, 3]))  # 8 programs
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     scale = data.draw(st.sampled_from([0.0, 0.05, 1.0, 4.0, 60.0]))
     x = (rng.standard_normal((rows, v)) * scale).astype(np.float32)
