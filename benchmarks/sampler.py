@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import wall_s
 from nemoh.engine.sampling import SamplingState, _cut, sample
 
 SETTINGS = {"greedy": (0.0, None, 1.0), "t=0.8": (0.8, None, 1.0), "t=0.8 top_p=0.9": (0.8, None, 0.9),
@@ -30,12 +30,7 @@ def loop_us(fn, *args, iters: int = 50) -> float:
     """µs per call of fn(*args, i), iters calls in one fori_loop, best of 5 timed runs."""
     run = jax.jit(lambda *a: jax.lax.fori_loop(0, iters, lambda i, acc: acc + fn(*a, i).astype(jnp.float32).sum(), 0.0))
     jax.block_until_ready(run(*args))
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        best = min(best, time.perf_counter() - t)
-    return best / iters * 1e6
+    return min(wall_s(lambda: jax.block_until_ready(run(*args)), 5)) / iters * 1e6
 
 
 def sorted_cut(x, top_k, top_p):

@@ -135,8 +135,6 @@ def _cut(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     Top-p keeps each value whose mass strictly above it is < top_p * Z: the cut is the largest value v
     with mass(x >= v) >= top_p * Z, or the k-th largest value where that is lower. Returns [B] fp32.
     """
-    if x.shape[-1] == 1:  # one value (whose reductions would vanish, leaving XLA an unrolled chain)
-        return x[:, 0]
     keys = _ordered_keys(x)
     top_k = jnp.minimum(top_k, x.shape[-1])
     kth = _largest_key(keys, jnp.ones(x.shape, jnp.int32), top_k)
