@@ -58,27 +58,34 @@ class KVPages:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
-    """Masked GQA softmax attention in fp32.
+    """Masked GQA softmax attention, scores and softmax in fp32.
 
     q [b, T, Hq, D]; k, v [b, S, Hkv, D] (key j sits at position j); q_pos [b, T]; kv_len [b]: keys
     at positions >= kv_len are absent. Query t sees keys j <= q_pos[t]. Returns [b, T, Hq, D] in q.dtype.
     Scores of bf16/f16 q and k multiply in that dtype with fp32 accumulation (each product is exact in
-    fp32, and the tensor cores run it); fp32 inputs multiply at full fp32 precision.
+    fp32, and the tensor cores run it); fp32 inputs multiply at full fp32 precision. With 16-bit q and v
+    the probabilities are rounded to v's dtype before the product with v (fp32 accumulation), as the
+    reference model does in its own dtype; fp32 keeps them fp32. The [b, g, T, r, S] score layout is the
+    dot's own output order, so no pass transposes the scores (at a 2,048-token chunk over 4,096 keys they
+    are 1 GiB in fp32 a layer).
     """
     b, T, Hq, D = q.shape
     Hkv = k.shape[2]
     qg = q.reshape(b, T, Hkv, Hq // Hkv, D)
     if q.dtype != k.dtype or q.dtype == jnp.float32:
         qg, k = qg.astype(jnp.float32), k.astype(jnp.float32)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, precision=jax.lax.Precision.HIGHEST,
+    scores = jnp.einsum("btgrd,bsgd->bgtrs", qg, k, precision=jax.lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32)
     scores = scores * (D ** -0.5)
     key_pos = jnp.arange(k.shape[1])
     visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
     # a finite floor keeps fully masked (padding) rows finite instead of NaN
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(visible[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    if q.dtype == v.dtype and q.dtype != jnp.float32:
+        out = jnp.einsum("bgtrs,bsgd->btgrd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    else:
+        out = jnp.einsum("bgtrs,bsgd->btgrd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return out.reshape(b, T, Hq, D).astype(q.dtype)
 
 
@@ -109,16 +116,28 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, pages: KVPages | 
                      kv_heads: tuple | None = None) -> tuple[jax.Array, KVPages | None]:
     """q [b, T, Hq, D], k, v [b, T, Hkv, D] -> (out [b, T, Hq, D], pool with k, v written). Without pages
     the block attends to itself. kv_heads (start, count): the queries read only these kv heads (a
-    device holding some query heads of a pool it shares); None: all."""
+    device holding some query heads of a pool it shares); None: all.
+
+    A prompt's first chunk (T > 1, every row at position 0) has no earlier keys: it attends to its own
+    block, T keys, instead of the whole pool's S (a 2,048-token prompt in a 4,096-token row: half the
+    scores), through a lax.cond, as the chunk index is a runtime value of prefill's loop."""
+    def attend_to(keys, values, kv_len):
+        if kv_heads is not None:
+            keys, values = (jax.lax.dynamic_slice_in_dim(a, kv_heads[0], kv_heads[1], axis=2) for a in (keys, values))
+        return attend(q, keys, values, ctx.positions, kv_len)
+
     if pages is None:
-        keys, values, kv_len = k, v, ctx.valid_len
-    else:
-        pages = write_pages(pages, k, v, ctx)
-        kv_len = ctx.positions[:, 0] + ctx.valid_len
-        keys, values = gather_pages(pages.k, ctx.block_tables), gather_pages(pages.v, ctx.block_tables)
-    if kv_heads is not None:
-        keys, values = (jax.lax.dynamic_slice_in_dim(a, kv_heads[0], kv_heads[1], axis=2) for a in (keys, values))
-    return attend(q, keys, values, ctx.positions, kv_len), pages
+        return attend_to(k, v, ctx.valid_len), None
+    pages = write_pages(pages, k, v, ctx)
+
+    def pooled(pages):
+        return attend_to(gather_pages(pages.k, ctx.block_tables), gather_pages(pages.v, ctx.block_tables),
+                         ctx.positions[:, 0] + ctx.valid_len)
+
+    if q.shape[1] == 1:  # decode
+        return pooled(pages), pages
+    first = jnp.all(ctx.positions[:, 0] == 0)
+    return jax.lax.cond(first, lambda p: attend_to(k, v, ctx.valid_len), pooled, pages), pages
 
 
 def _project(p: AttentionParams, h: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
