@@ -1,6 +1,8 @@
 """The sampler alone at a real vocabulary: nemoh's sample() per setting, timed, after its top-k / top-p
-cut is checked against the rule written with a sort (the sorting sampler nemoh had before) in the
-same run.
+cut is checked in the same run against the rule written with a sort in float64 (kept_by_rule, which
+tests/test_sampling.py's property test uses too). A row whose last kept entry's mass-ahead lies within
+1e-5 of top_p is reported as at the boundary, not failed: float32 sums of 131,072 terms decide its side.
+"sorted cut alone" times the cut as the sorting sampler nemoh had before found it (sorted_cut).
 
     PYTHONPATH=. python3 benchmarks/sampler.py --batches 1,8,32 --vocab 131072
 
@@ -33,8 +35,22 @@ def loop_us(fn, *args, iters: int = 50) -> float:
     return min(wall_s(lambda: jax.block_until_ready(run(*args)), 5)) / iters * 1e6
 
 
+def kept_by_rule(x: np.ndarray, k: int, p: float) -> tuple[int, float]:
+    """The rule written out with a sort, in float64, for one row x [V] (k <= V): how many entries top-k
+    then top-p keep (ties at the cut included), and the distance of the mass-ahead nearest top_p from it
+    (x with max 0, as the sampler's rows are)."""
+    desc = -np.sort(-x.astype(np.float64))
+    probs = np.exp(desc[:k])
+    probs /= probs.sum()
+    ahead = np.cumsum(probs) - probs
+    rank = k if p >= 1 else int(np.sum(ahead < p))
+    margin = np.inf if p >= 1 else np.min(np.abs(ahead - p))
+    return int(np.sum(x >= desc[rank - 1])), margin
+
+
 def sorted_cut(x, top_k, top_p):
-    """The cut as a sort finds it: the last value kept by top-k, then the nucleus of their mass."""
+    """The cut as a sort finds it (the sorting sampler's): the last value kept by top-k, then the nucleus
+    of their mass, in float32; timed against _cut."""
     desc = -jnp.sort(-x, axis=-1)
     rank = jnp.arange(x.shape[-1])[None, :]
     in_k = rank < top_k[:, None]
@@ -61,11 +77,20 @@ def main():
         x = x - x.max(-1, keepdims=True)
         k = jnp.asarray(rng.integers(1, args.vocab + 1, b), jnp.int32)
         p = jnp.asarray(rng.choice([0.5, 0.9, 0.99, 1.0], b), jnp.float32)
-        equal = int(jnp.sum(jax.jit(_cut)(x, k, p) == jax.jit(sorted_cut)(x, k, p)))
-        failed |= equal != b
-        record = {"device": device, "batch": b, "vocab": args.vocab, "cut_rows_equal_to_sorted": equal, "us": {}}
-        print(f"[{device}] batch {b}: cut equal to the sorted rule's on {equal}/{b} rows "
-              f"({'PASS' if equal == b else 'FAIL'})", flush=True)
+        cut = np.asarray(jax.jit(_cut)(x, k, p))
+        xs, ks, ps = np.asarray(x), np.asarray(k), np.asarray(p)
+        agree, boundary = 0, 0
+        for row in range(b):
+            kept, margin = kept_by_rule(xs[row], min(int(ks[row]), args.vocab), float(ps[row]))
+            if margin <= 1e-5:
+                boundary += 1
+            else:
+                agree += int(np.sum(xs[row] >= cut[row])) == kept
+        failed |= agree + boundary != b
+        record = {"device": device, "batch": b, "vocab": args.vocab, "cut_rows_agreeing": agree,
+                  "rows_at_boundary": boundary, "us": {}}
+        print(f"[{device}] batch {b}: cut keeps what the float64 rule keeps on {agree}/{b - boundary} rows, "
+              f"{boundary} within 1e-5 of top_p ({'PASS' if agree + boundary == b else 'FAIL'})", flush=True)
         step = jnp.zeros((b,), jnp.int32)
         for name, (t, top_k, top_p) in SETTINGS.items():
             s = SamplingState(temperature=jnp.full((b,), t, jnp.float32),

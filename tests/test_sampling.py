@@ -103,24 +103,13 @@ def test_rows_are_bitwise_batch_independent_in_bf16_and_fp32():
         assert all((batch[len(prompts) - 1 - i] == alone[i]).all() for i in range(len(prompts))), dtype
 
 
-def _kept_by_sorting(x: np.ndarray, k: int, p: float) -> tuple[int, float]:
-    """The rule written out with a sort, in float64: how many entries top-k then top-p keep (ties at
-    the cut included), and the distance of the last kept entry's mass-ahead from top_p."""
-    desc = -np.sort(-x.astype(np.float64))
-    probs = np.exp(desc[:k])
-    probs /= probs.sum()
-    ahead = np.cumsum(probs) - probs
-    rank = k if p >= 1 else int(np.sum(ahead < p))
-    margin = np.inf if p >= 1 else np.min(np.abs(ahead - p))
-    return int(np.sum(x >= desc[rank - 1])), margin
-
-
 @settings(max_examples=200, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_cut_keeps_what_sorting_keeps(data):
     """The sampler's sort-free cut keeps exactly what sorting keeps: top-k (ties at the k-th value
     kept), then the nucleus of the renormalised top-k mass, on values with ties and -inf entries."""
+    from benchmarks.sampler import kept_by_rule
     from nemoh.engine.sampling import _cut
 
     v, rows = data.draw(st.sampled_from([1, 2, 7, 40])), data.draw(st.sampled_from([1, 3]))  # 8 programs
@@ -135,7 +124,7 @@ def test_cut_keeps_what_sorting_keeps(data):
     p = np.asarray([data.draw(st.sampled_from([0.01, 0.3, 0.5, 0.9, 0.999, 1.0])) for _ in range(rows)], np.float32)
     cut = np.asarray(jax.jit(_cut)(jnp.asarray(x), jnp.asarray(k), jnp.asarray(p)))
     for row in range(rows):
-        kept, margin = _kept_by_sorting(x[row], min(int(k[row]), v), float(p[row]))
+        kept, margin = kept_by_rule(x[row], min(int(k[row]), v), float(p[row]))
         event(f"kept {'all' if kept == v else 'some'}")
         if margin > 1e-5:  # else rounding decides on which side of top_p the last entry falls
             assert int(np.sum(x[row] >= cut[row])) == kept, (x[row], k[row], p[row], cut[row])
