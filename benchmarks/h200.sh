@@ -29,7 +29,7 @@
 #                                     # (default: the sampler's cond as a CUDA graph conditional node, XLA's
 #                                     # sort for cub's); greedy, or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
-#                                     # a sort's, then sample() per setting and the cut against a sort (sampler.py)
+#                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
 #                                     # order, batches 1 and 32, op by op and as CUDA graphs (benchmarks/step_trace.py),
