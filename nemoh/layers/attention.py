@@ -136,8 +136,11 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, pages: KVPages | 
 
     if q.shape[1] == 1:  # decode
         return pooled(pages), pages
-    first = jnp.all(ctx.positions[:, 0] == 0)
-    return jax.lax.cond(first, lambda p: attend_to(k, v, ctx.valid_len), pooled, pages), pages
+
+    def own(pages):  # the chunk's keys and values as the pool holds them
+        return attend_to(k.astype(pages.k.dtype), v.astype(pages.v.dtype), ctx.valid_len)
+
+    return jax.lax.cond(jnp.all(ctx.positions[:, 0] == 0), own, pooled, pages), pages
 
 
 def _project(p: AttentionParams, h: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
