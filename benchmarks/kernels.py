@@ -314,7 +314,7 @@ def run_splits(key, formats):
             plans = set()
             for c in SPLIT_TARGETS:
                 t = Tiling(decode_ctas_per_sm=c)
-                tk, splits, _ = _plan(fmt_class, stream_dtype, k, 8, n // TN, blocks, t)
+                tk, splits, _, _ = _plan(fmt_class, stream_dtype, k, 8, n // TN, blocks, t)
                 if (tk, splits) in plans:
                     continue
                 plans.add((tk, splits))

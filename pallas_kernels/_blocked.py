@@ -37,8 +37,11 @@ MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are st
 class Tiling:
     """Kernel tiling: tk streamed weight elements per K step (None: default_tk's choice), pipeline
     depth, whether A is staged in SMEM, CTAs per SM the split-K plan aims for (decode_ctas_per_sm for
-    blocks of at most 8 rows, ctas_per_sm for larger ones), PTX weight decode, and whether quantised
-    weights decode to bfloat16 for bf16 activations (see the module docstring).
+    blocks of at most 8 rows, ctas_per_sm for larger ones), PTX weight decode, whether quantised
+    weights decode to bfloat16 for bf16 activations (see the module docstring), the most rows of one
+    MoE expert block (pallas_kernels.moe: prefill's blocks grow with the tokens per expert up to it),
+    and the 64-row weight tiles a CTA multiplies with each activation tile it reads, for blocks of more
+    than 8 rows (decode keeps one: its CTAs stream weights, and fewer of them would stream slower).
 
     Blocks of up to 8 rows aim for more CTAs: their split-K partial sums are small, and more, shorter
     CTAs run a GEMV's K loop faster (H100, NVFP4 M=1: 2688 -> 10304 10.6 µs with 7 splits against
@@ -52,6 +55,8 @@ class Tiling:
     decode_ctas_per_sm: int = 8
     ptx: bool = True
     bf16_operands: bool = True
+    moe_block_rows: int = 64
+    weight_tiles: int = 1
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -136,10 +141,13 @@ def default_tk(w_dtype, k_per_element: int, tm: int, grid_fills_gpu: bool) -> in
 
 
 def _plan(fmt, w_dtype, k: int, tm: int, n_tiles: int, num_blocks: int, tiling: Tiling):
-    """(tk, splits, padded K) for one call: K steps of tk streamed elements, split so ~ctas_per_sm CTAs
-    per SM (decode_ctas_per_sm for blocks of at most 8 rows) share the weight stream."""
+    """(tk, splits, padded K, weight tiles per CTA) for one call: K steps of tk streamed elements, split
+    so ~ctas_per_sm CTAs per SM (decode_ctas_per_sm for blocks of at most 8 rows) share the weight stream."""
     per = fmt.K_PER_ELEMENT if fmt else 1
-    target = (tiling.decode_ctas_per_sm if tm <= DECODE_BLOCK_ROWS else tiling.ctas_per_sm) * num_sms()
+    decode = tm <= DECODE_BLOCK_ROWS
+    tiles = 1 if decode else min(tiling.weight_tiles, n_tiles)
+    n_tiles = -(-n_tiles // tiles)
+    target = (tiling.decode_ctas_per_sm if decode else tiling.ctas_per_sm) * num_sms()
     tk = tiling.tk or default_tk(w_dtype, per, tm, n_tiles * num_blocks >= target)
     if fmt is None:  # swizzled W tiles: tk must divide K (K % 16 == 0 always allows 32 bytes)
         while k % tk:
@@ -148,7 +156,7 @@ def _plan(fmt, w_dtype, k: int, tm: int, n_tiles: int, num_blocks: int, tiling: 
     splits = max(1, min(steps_total, -(-target // (n_tiles * num_blocks))))
     steps = -(-steps_total // splits)
     splits = -(-steps_total // steps)
-    return tk, splits, splits * steps * tk * per
+    return tk, splits, splits * steps * tk * per, tiles
 
 
 def row_blocks(x, tm: int):
@@ -166,14 +174,14 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     num_blocks = eid.shape[0]
     n = w.shape[-2]
     fmt, arr, scale, post = _weight_operands(w)
-    tk, splits, k_total = _plan(fmt, arr.dtype, k, tm, arr.shape[1] // TN, num_blocks, tiling)
+    tk, splits, k_total, tiles = _plan(fmt, arr.dtype, k, tm, arr.shape[1] // TN, num_blocks, tiling)
     x, row_exp = _activations(xb, fmt, arr.dtype, tiling.bf16_operands)
     if fmt is not None:
         post = post / fmt.operand_unit(x.dtype)
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
-                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx,
+                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles,
                       interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.

@@ -76,19 +76,22 @@ def scale_rows_per_step(fmt, tk: int) -> int:
     return tk // per_row if per_row else 0
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                ptx: bool = False, interpret=None):
+                ptx: bool = False, tiles: int = 1, interpret=None):
     """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, tm, K]
-    is every block's rows (one token's experts all read the same row)."""
+    is every block's rows (one token's experts all read the same row). tiles: 64-row weight tiles one
+    CTA multiplies with each activation tile it streams (the activation traffic divided by tiles; a
+    last CTA's tiles past N read zeros and store nothing)."""
     (num_blocks,), (x_blocks, tm, kx) = eid.shape, x.shape
     if x_blocks not in (1, num_blocks):
         raise ValueError(f"x has {x_blocks} blocks for {num_blocks} expert ids: must be 1 or {num_blocks}")
     _, n, _ = w.shape
     tkx = tk * (fmt.K_PER_ELEMENT if fmt else 1)
     steps = -(-kx // (tkx * splits))
-    if n % TN or steps < 1 or (kx != steps * tkx * splits and kx % X_TILE):
-        raise ValueError(f"bad blocking: N={n}, K extent {kx}, tk={tk}, splits={splits}")
+    if n % TN or steps < 1 or tiles < 1 or (kx != steps * tkx * splits and kx % X_TILE):
+        raise ValueError(f"bad blocking: N={n}, K extent {kx}, tk={tk}, splits={splits}, tiles={tiles}")
+    tn = TN * tiles  # weight rows a CTA streams
     n_scale = scale_rows_per_step(fmt, tk)
     if (scale is None) != (n_scale == 0):
         raise ValueError(f"format {fmt} streams {n_scale} scale rows a step, got scale={scale is not None}")
@@ -103,44 +106,52 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
         o_ref, a_smem = refs[0], (refs[1] if stage_a else None)
         ni, b, s = lax.axis_index("n"), lax.axis_index("b"), lax.axis_index("s")
         e = eid_ref[b]
-        n0 = ni * TN
 
         @pl.when(e >= 0)
         def _():
-            def acc_scope(acc):
+            def acc_scope(*accs):
                 def step(_, x_smem, w_smem, *s_smem):
-                    if fmt is None:
-                        a = w_smem
-                    else:
-                        codes = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA)
-                        rows = [plgpu.load(s_smem[0].at[c], layout=_ROW, optimized=False) for c in range(n_scale)]
-                        a = fmt.decode_tile(codes, rows, ptx, mma_dtype)
-                        if stage_a:
-                            a_smem[...] = a
-                            plgpu.commit_smem()
-                            a = a_smem
-                    plgpu.wgmma(acc, a, x_smem.T)
+                    for j, acc in enumerate(accs):  # tile j's decode overlaps tile j-1's wgmma
+                        w_tile = w_smem.at[pl.ds(j * TN, TN)] if tiles > 1 else w_smem
+                        if fmt is None:
+                            a = w_tile
+                        else:
+                            codes = plgpu.load(w_tile, layout=plgpu.Layout.WGMMA)
+                            rows = [plgpu.load(s_smem[0].at[c, pl.ds(j * TN, TN)], layout=_ROW, optimized=False)
+                                    for c in range(n_scale)]
+                            a = fmt.decode_tile(codes, rows, ptx, mma_dtype)
+                            if stage_a:  # one staging buffer: the previous tile's wgmma must be done with it
+                                plgpu.wgmma_wait(0)
+                                a_smem[...] = a
+                                plgpu.commit_smem()
+                                a = a_smem
+                        plgpu.wgmma(acc, a, x_smem.T)
                     plgpu.wgmma_wait(0)
 
                 k0 = s * steps
                 specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx)),
-                         plgpu.BlockSpec((TN, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk))]
+                         plgpu.BlockSpec((tn, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk))]
                 operands = [x_ref.at[b if x_blocks > 1 else 0], w_ref.at[e]]
                 if n_scale:
-                    specs.append(plgpu.BlockSpec((n_scale, TN), lambda k: (k0 + k, ni)))
+                    specs.append(plgpu.BlockSpec((n_scale, tn), lambda k: (k0 + k, ni)))
                     operands.append(s_ref.at[e])
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*operands)
-                return acc[...]
+                return tuple(acc[...] for acc in accs)
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((TN, tm)))
-            # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle away from WGMMA), so each
-            # thread stores adjacent n of the row-major output tile.
-            o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            accs = pl.run_scoped(acc_scope, *[plgpu.ACC((TN, tm))] * tiles)
+            for j, acc in enumerate(accs):
+                n0 = (ni * tiles + j) * TN
+
+                # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle away from WGMMA), so each
+                # thread stores adjacent n of the row-major output tile.
+                @pl.when(n0 < n)
+                def _():
+                    o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
 
     kernel = plgpu.kernel(
         wgemm,
         out_type=jax.ShapeDtypeStruct((splits, num_blocks, tm, n), jnp.float32),
-        grid=(n // TN, num_blocks, splits),
+        grid=(-(-n // tn), num_blocks, splits),
         grid_names=("n", "b", "s"),
         scratch_types=[plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [],
         interpret=interpret,

@@ -360,7 +360,8 @@ def test_kernels_lower_for_the_gpu(fmt):
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(x, w)
     # decode blocks of 8 rows, prefill blocks of 64; and the long K step that big decode grids take
     for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)),
-                           (1, Tiling(bf16_operands=False)), (100, Tiling(bf16_operands=False))):
+                           (1, Tiling(bf16_operands=False)), (100, Tiling(bf16_operands=False)),
+                           (100, Tiling(weight_tiles=2)), (300, Tiling(weight_tiles=3, moe_block_rows=128))):
         idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
         export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas", tiling=tiling)), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
@@ -377,9 +378,28 @@ def test_k_steps_past_the_activations(fmt, tk, ctas_per_sm, monkeypatch):
     x, w = _x(rng, (2, 320), jnp.bfloat16), WEIGHTS[fmt](rng, (), 64, 320)
     tiling = Tiling(tk=tk, ctas_per_sm=ctas_per_sm, decode_ctas_per_sm=ctas_per_sm)
     fmt_class = type(w) if fmt != "dense" else None
-    _, splits, k_total = _plan(fmt_class, (w.stream()[0] if fmt_class else w).dtype, 320, 8, 1, 1, tiling)
+    _, splits, k_total, _ = _plan(fmt_class, (w.stream()[0] if fmt_class else w).dtype, 320, 8, 1, 1, tiling)
     assert splits > 1 and k_total - 320 >= 64, (splits, k_total)  # a whole step of each split-K plan past K
     _check(linear(x, w, impl=IMPL, tiling=tiling), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
+def test_several_weight_tiles_per_cta(fmt):
+    """A CTA multiplying 2 or 4 weight tiles with each activation tile it reads gives the one-tile
+    kernel's outputs bit for bit (each output takes the same K steps in the same order), also where the
+    last CTA's tiles run past N (192 rows: 2 x 2 tiles, 1 x 4); decode-size blocks keep one tile."""
+    rng = _rng(15)
+    w = WEIGHTS[fmt](rng, (), 192, 320)
+    x = _x(rng, (40, 320), jnp.bfloat16)
+    one = linear(x, w, impl=IMPL)
+    for tiles in (2, 4):
+        got = linear(x, w, impl=IMPL, tiling=Tiling(weight_tiles=tiles))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32), err_msg=f"{tiles} tiles")
+    _check(one, _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
+    fmt_class = type(w) if fmt != "dense" else None
+    stream = (w.stream()[0] if fmt_class else w).dtype
+    assert _plan(fmt_class, stream, 320, 64, 3, 1, Tiling(weight_tiles=2))[3] == 2
+    assert _plan(fmt_class, stream, 320, 8, 3, 1, Tiling(weight_tiles=2))[3] == 1
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -495,25 +515,29 @@ def test_moe_experts_many_tokens_have_no_loop():
     assert not names & {"while", "scan", "sort"}, sorted(names)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "dense"])
-def test_moe_experts_prefill_blocks(fmt):
-    """Many tokens (prefill): 64-row expert blocks in the kernel, and the sorted ragged_dot reference."""
+@pytest.mark.parametrize("fmt,rows", [("nvfp4", 64), ("dense", 64), ("nvfp4", 128)])
+def test_moe_experts_prefill_blocks(fmt, rows):
+    """Many tokens (prefill): 64-row expert blocks in the kernel (128 where the tiling allows them), and
+    the sorted ragged_dot reference."""
+    from pallas_kernels._blocked import Tiling
     from pallas_kernels.moe import block_rows_for
     from pallas_kernels.reference import GATHER_MAX_PAIRS
 
     rng = _rng(7)
-    tokens = 100
+    tokens = 140
+    tiling = Tiling(moe_block_rows=rows)
     idx = np.stack([rng.permutation(E)[:TOPK] for _ in range(tokens)]).astype(np.int32)
     x = _x(rng, (tokens, H), jnp.bfloat16)
     weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, TOPK)).astype(np.float32))
     up, down = WEIGHTS[fmt](rng, (E,), F, H), WEIGHTS[fmt](rng, (E,), H, F)
-    assert idx.size > GATHER_MAX_PAIRS and block_rows_for(idx.size, E) == 64
+    assert idx.size > GATHER_MAX_PAIRS and block_rows_for(idx.size, E, tiling.moe_block_rows) == rows
     up64, down64, x64 = _f64(dequantize(up)), _f64(dequantize(down)), _f64(x)
     ref = np.zeros((tokens, H))
     for t in range(tokens):
         for j, e in enumerate(idx[t]):
             ref[t] += float(weight[t, j]) * (down64[e] @ np.square(np.maximum(up64[e] @ x64[t], 0.0)))
-    _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl=IMPL), ref, 8e-3, f"moe prefill {fmt} vs f64")
+    _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl=IMPL, tiling=tiling), ref, 8e-3,
+           f"moe prefill {fmt} {rows}-row blocks vs f64")
     _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl="xla"), ref, 5e-3, f"moe prefill xla {fmt}")
 
 
