@@ -40,8 +40,9 @@ class Tiling:
     blocks of at most 8 rows, ctas_per_sm for larger ones), PTX weight decode, whether quantised
     weights decode to bfloat16 for bf16 activations (see the module docstring), the most rows of one
     MoE expert block (pallas_kernels.moe: prefill's blocks grow with the tokens per expert up to it),
-    and the 64-row weight tiles a CTA multiplies with each activation tile it reads, for blocks of more
-    than 8 rows (decode keeps one: its CTAs stream weights, and fewer of them would stream slower).
+    and the 64-row weight tiles a CTA multiplies with each activation tile it reads (weight_tiles for
+    blocks of more than 8 rows; decode_weight_tiles for blocks of at most 8, only where the grid still
+    fills the GPU with ctas_per_sm CTAs an SM: a GEMV's fewer CTAs would stream its weights slower).
 
     Blocks of up to 8 rows aim for more CTAs: their split-K partial sums are small, and more, shorter
     CTAs run a GEMV's K loop faster (H100, NVFP4 M=1: 2688 -> 10304 10.6 µs with 7 splits against
@@ -57,6 +58,7 @@ class Tiling:
     bf16_operands: bool = True
     moe_block_rows: int = 64
     weight_tiles: int = 1
+    decode_weight_tiles: int = 1
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -145,7 +147,9 @@ def _plan(fmt, w_dtype, k: int, tm: int, n_tiles: int, num_blocks: int, tiling: 
     so ~ctas_per_sm CTAs per SM (decode_ctas_per_sm for blocks of at most 8 rows) share the weight stream."""
     per = fmt.K_PER_ELEMENT if fmt else 1
     decode = tm <= DECODE_BLOCK_ROWS
-    tiles = 1 if decode else min(tiling.weight_tiles, n_tiles)
+    tiles = min(tiling.decode_weight_tiles if decode else tiling.weight_tiles, n_tiles)
+    if decode and -(-n_tiles // tiles) * num_blocks < tiling.ctas_per_sm * num_sms():
+        tiles = 1
     n_tiles = -(-n_tiles // tiles)
     target = (tiling.decode_ctas_per_sm if decode else tiling.ctas_per_sm) * num_sms()
     tk = tiling.tk or default_tk(w_dtype, per, tm, n_tiles * num_blocks >= target)

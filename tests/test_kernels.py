@@ -361,7 +361,8 @@ def test_kernels_lower_for_the_gpu(fmt):
     # decode blocks of 8 rows, prefill blocks of 64; and the long K step that big decode grids take
     for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)),
                            (1, Tiling(bf16_operands=False)), (100, Tiling(bf16_operands=False)),
-                           (100, Tiling(weight_tiles=2)), (300, Tiling(weight_tiles=3, moe_block_rows=128))):
+                           (100, Tiling(weight_tiles=2)), (300, Tiling(weight_tiles=3, moe_block_rows=128)),
+                           (32, Tiling(decode_weight_tiles=2, ctas_per_sm=1))):
         idx, weight = jnp.zeros((tokens, 2), jnp.int32), jnp.ones((tokens, 2), jnp.float32)
         export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas", tiling=tiling)), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
@@ -384,22 +385,30 @@ def test_k_steps_past_the_activations(fmt, tk, ctas_per_sm, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
-def test_several_weight_tiles_per_cta(fmt):
+def test_several_weight_tiles_per_cta(fmt, monkeypatch):
     """A CTA multiplying 2 or 4 weight tiles with each activation tile it reads gives the one-tile
     kernel's outputs bit for bit (each output takes the same K steps in the same order), also where the
-    last CTA's tiles run past N (192 rows: 2 x 2 tiles, 1 x 4); decode-size blocks keep one tile."""
+    last CTA's tiles run past N (192 rows: 2 x 2 tiles, 1 x 4), for prefill-size and decode-size blocks
+    (on one SM, whose grid they fill); a GEMV's grid that does not fill the GPU keeps one tile."""
+    monkeypatch.setattr(_blocked, "num_sms", lambda: 1)
     rng = _rng(15)
     w = WEIGHTS[fmt](rng, (), 192, 320)
-    x = _x(rng, (40, 320), jnp.bfloat16)
-    one = linear(x, w, impl=IMPL)
-    for tiles in (2, 4):
-        got = linear(x, w, impl=IMPL, tiling=Tiling(weight_tiles=tiles))
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32), err_msg=f"{tiles} tiles")
-    _check(one, _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
+    for rows in (40, 4):
+        x = _x(rng, (rows, 320), jnp.bfloat16)
+        one = linear(x, w, impl=IMPL, tiling=Tiling(ctas_per_sm=1, decode_ctas_per_sm=1))
+        for tiles in (2, 4):
+            tiling = Tiling(ctas_per_sm=1, decode_ctas_per_sm=1, weight_tiles=tiles, decode_weight_tiles=tiles)
+            got = linear(x, w, impl=IMPL, tiling=tiling)
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32),
+                                          err_msg=f"{rows} rows, {tiles} tiles")
+        _check(one, _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
+    monkeypatch.undo()
     fmt_class = type(w) if fmt != "dense" else None
     stream = (w.stream()[0] if fmt_class else w).dtype
     assert _plan(fmt_class, stream, 320, 64, 3, 1, Tiling(weight_tiles=2))[3] == 2
     assert _plan(fmt_class, stream, 320, 8, 3, 1, Tiling(weight_tiles=2))[3] == 1
+    assert _plan(fmt_class, stream, 320, 8, 3, 1, Tiling(decode_weight_tiles=2))[3] == 1  # a GEMV's grid
+    assert _plan(fmt_class, stream, 320, 8, 30, 10**4, Tiling(decode_weight_tiles=2))[3] == 2  # a decode batch's
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
