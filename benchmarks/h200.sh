@@ -23,7 +23,8 @@
 #                                     # others (default: split-K for 4 CTAs per SM at decode, the earlier
 #                                     # default) in one process, calls interleaved, every variant gated
 #                                     # (benchmarks/ab.py)
-#   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512
+#   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512 (default: weight
+#                                     # tiles a CTA other than the default's three)
 #   bash benchmarks/h200.sh xla-variants [SETS] [SAMPLING]  # NANO_NVFP4 decode batches 1,32: XLA options compiled
 #                                     # into the decode program against the engine's own, in one process
 #                                     # (default: the sampler's cond as a CUDA graph conditional node, XLA's
@@ -55,6 +56,7 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="decode_ctas_per_sm=4"
+CANDIDATE_PREFILL_TILINGS="weight_tiles=1;weight_tiles=2;weight_tiles=4"
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets): XLA's default
 # command buffer types plus CONDITIONAL, and XLA's sort kernels instead of cub's (a custom call no graph records).
 # Measured on an H100 (BENCHMARKS run 10): 0.8-1.8% slower at batch 1, 0.4-1.2% faster at 32; not adopted
@@ -111,7 +113,7 @@ case "${1:-}" in
       --tilings "${2:-$CANDIDATE_TILINGS}" ;;
   prefill-variants) # the same for prefill: one prompt of 2,048 tokens and 8 of 512
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches "" --prefill-shapes 1x2048,8x512 \
-      --tilings "${2:-$CANDIDATE_TILINGS}" --rounds 6 ;;
+      --tilings "${2:-$CANDIDATE_PREFILL_TILINGS}" --rounds 6 ;;
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
                   --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
   sampler) leg 200 benchmarks/sampler.py --batches 1,8,32 ;;

@@ -5,8 +5,9 @@ For each block b of `tm` activation rows and each 64-row tile of its weight W[ei
 (split-K; the caller sums over s). Weights sit on the wgmma M side (64 rows, the Hopper minimum),
 activations on the N side (tm = 8..128), so decode (M = 1..8) wastes no weight bandwidth; the [64, tm]
 accumulator is stored transposed, so the output is row-major [tm, N] per block as its consumers read it
-(no transpose pass in XLA). Quantised weights are decoded in registers right before the wgmma (never
-written back).
+(no transpose pass in XLA). A CTA may take `tiles` adjacent weight tiles, each with its own
+accumulator, against each activation tile it streams (a block's activations are read once per CTA).
+Quantised weights are decoded in registers right before the wgmma (never written back).
 
 Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats, or another
 class with its interface):

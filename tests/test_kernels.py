@@ -389,13 +389,13 @@ def test_several_weight_tiles_per_cta(fmt, monkeypatch):
     """A CTA multiplying 2 or 4 weight tiles with each activation tile it reads gives the one-tile
     kernel's outputs bit for bit (each output takes the same K steps in the same order), also where the
     last CTA's tiles run past N (192 rows: 2 x 2 tiles, 1 x 4), for prefill-size and decode-size blocks
-    (on one SM, whose grid they fill); a GEMV's grid that does not fill the GPU keeps one tile."""
+    (on one SM, whose grid they fill); a grid that would no longer fill the GPU keeps one tile."""
     monkeypatch.setattr(_blocked, "num_sms", lambda: 1)
     rng = _rng(15)
     w = WEIGHTS[fmt](rng, (), 192, 320)
     for rows in (40, 4):
         x = _x(rng, (rows, 320), jnp.bfloat16)
-        one = linear(x, w, impl=IMPL, tiling=Tiling(ctas_per_sm=1, decode_ctas_per_sm=1))
+        one = linear(x, w, impl=IMPL, tiling=Tiling(ctas_per_sm=1, decode_ctas_per_sm=1, weight_tiles=1))
         for tiles in (2, 4):
             tiling = Tiling(ctas_per_sm=1, decode_ctas_per_sm=1, weight_tiles=tiles, decode_weight_tiles=tiles)
             got = linear(x, w, impl=IMPL, tiling=tiling)
@@ -405,10 +405,11 @@ def test_several_weight_tiles_per_cta(fmt, monkeypatch):
     monkeypatch.undo()
     fmt_class = type(w) if fmt != "dense" else None
     stream = (w.stream()[0] if fmt_class else w).dtype
-    assert _plan(fmt_class, stream, 320, 64, 3, 1, Tiling(weight_tiles=2))[3] == 2
-    assert _plan(fmt_class, stream, 320, 8, 3, 1, Tiling(weight_tiles=2))[3] == 1
-    assert _plan(fmt_class, stream, 320, 8, 3, 1, Tiling(decode_weight_tiles=2))[3] == 1  # a GEMV's grid
-    assert _plan(fmt_class, stream, 320, 8, 30, 10**4, Tiling(decode_weight_tiles=2))[3] == 2  # a decode batch's
+    plan_tiles = lambda tm, n_tiles, blocks, tiling: _plan(fmt_class, stream, 320, tm, n_tiles, blocks, tiling)[3]
+    assert plan_tiles(64, 30, 10**4, Tiling(weight_tiles=2)) == 2  # a prefill grid
+    assert plan_tiles(64, 3, 1, Tiling(weight_tiles=2)) == 1  # too few CTAs with 2 tiles each
+    assert plan_tiles(8, 30, 10**4, Tiling(weight_tiles=2)) == 1  # decode-size blocks: decode_weight_tiles
+    assert plan_tiles(8, 30, 10**4, Tiling(decode_weight_tiles=2)) == 2
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -524,14 +525,17 @@ def test_moe_experts_many_tokens_have_no_loop():
     assert not names & {"while", "scan", "sort"}, sorted(names)
 
 
-@pytest.mark.parametrize("fmt,rows", [("nvfp4", 64), ("dense", 64), ("nvfp4", 128)])
-def test_moe_experts_prefill_blocks(fmt, rows):
+@pytest.mark.parametrize("fmt,rows,sms", [("nvfp4", 64, None), ("dense", 64, None), ("nvfp4", 128, None), ("nvfp4", 64, 1),
+                                          ("dense", 64, 1)])
+def test_moe_experts_prefill_blocks(fmt, rows, sms, monkeypatch):
     """Many tokens (prefill): 64-row expert blocks in the kernel (128 where the tiling allows them), and
-    the sorted ragged_dot reference."""
-    from pallas_kernels._blocked import Tiling
+    the sorted ragged_dot reference; on one SM the down projection's CTAs take two weight tiles each,
+    the second past its 80 rows."""
     from pallas_kernels.moe import block_rows_for
     from pallas_kernels.reference import GATHER_MAX_PAIRS
 
+    if sms:
+        monkeypatch.setattr(_blocked, "num_sms", lambda: sms)
     rng = _rng(7)
     tokens = 140
     tiling = Tiling(moe_block_rows=rows)
