@@ -23,8 +23,8 @@
 #                                     # others (default: split-K for 4 CTAs per SM at decode, the earlier
 #                                     # default) in one process, calls interleaved, every variant gated
 #                                     # (benchmarks/ab.py)
-#   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512 (default: weight
-#                                     # tiles a CTA other than the default's three)
+#   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512 (default:
+#                                     # two weight tiles a CTA, 128-row MoE expert blocks)
 #   bash benchmarks/h200.sh xla-variants [SETS] [SAMPLING]  # NANO_NVFP4 decode batches 1,32: XLA options compiled
 #                                     # into the decode program against the engine's own, in one process
 #                                     # (default: the sampler's cond as a CUDA graph conditional node, XLA's
@@ -56,7 +56,7 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="decode_ctas_per_sm=4"
-CANDIDATE_PREFILL_TILINGS="weight_tiles=1;weight_tiles=2;weight_tiles=4"
+CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets): XLA's default
 # command buffer types plus CONDITIONAL, and XLA's sort kernels instead of cub's (a custom call no graph records).
 # Measured on an H100 (BENCHMARKS run 10): 0.8-1.8% slower at batch 1, 0.4-1.2% faster at 32; not adopted
