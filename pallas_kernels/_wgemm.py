@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-TN = 64  # weight rows per CTA (wgmma M)
+TN = 64  # weight rows per tile (wgmma M); a CTA takes `tiles` adjacent tiles
 X_TILE = 64  # activation elements per row of an x SMEM tile (the widest swizzle tile of 2-byte x)
 
 # One value per row of a 64-row WGMMA tile (what a row reduction of a WGMMA-layout array yields).
