@@ -143,11 +143,15 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
             for j, acc in enumerate(accs):
                 n0 = (ni * tiles + j) * TN
 
-                # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle away from WGMMA), so each
-                # thread stores adjacent n of the row-major output tile.
-                @pl.when(n0 < n)
-                def _():
+                def store(n0=n0, acc=acc):
+                    # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle away from WGMMA), so
+                    # each thread stores adjacent n of the row-major output tile.
                     o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+
+                if n % tn:  # the last CTA's tiles may lie past N
+                    pl.when(n0 < n)(store)
+                else:
+                    store()
 
     kernel = plgpu.kernel(
         wgemm,
