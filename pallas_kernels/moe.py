@@ -24,13 +24,13 @@ import jax.numpy as jnp
 from pallas_kernels import reference
 from pallas_kernels._backend import resolve_impl
 from pallas_kernels import _blocked
-from pallas_kernels._blocked import DEFAULT_TILING, Tiling, blocked_linear, row_blocks
+from pallas_kernels._blocked import Tiling, blocked_linear, row_blocks
 from pallas_kernels.formats import Weight
 
 MOE_BLOCK_ROWS = 8  # decode: a token's k experts each get a block
 
 
-def block_rows_for(pairs: int, num_experts: int, max_rows: int = DEFAULT_TILING.moe_block_rows) -> int:
+def block_rows_for(pairs: int, num_experts: int, max_rows: int) -> int:
     """Rows per expert block: the expected pairs per expert rounded up to a power of two, in [8, max_rows]."""
     tm = MOE_BLOCK_ROWS
     while tm < max_rows and tm * num_experts < pairs:
@@ -118,6 +118,7 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     rounded to x.dtype between the projections; y [T, H] in x.dtype.
     """
     impl = resolve_impl(impl)
+    tiling = tiling or _blocked.DEFAULT_TILING  # read when traced: benchmarks may rebind the default
     if impl == "xla":
         if valid is not None:
             expert_weight = jnp.where(valid.reshape(valid.shape[0], -1), expert_weight, 0.0)
@@ -127,7 +128,7 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
         tm = MOE_BLOCK_ROWS
         slot_pair, block_expert, pair_slot = pair_blocks(expert_idx, tm, valid)
     else:
-        tm = block_rows_for(expert_idx.size, up.shape[0], (tiling or _blocked.DEFAULT_TILING).moe_block_rows)
+        tm = block_rows_for(expert_idx.size, up.shape[0], tiling.moe_block_rows)
         slot_pair, block_expert, pair_slot = route_blocks(expert_idx, up.shape[0], tm, valid)
     if t == 1 and getattr(up, "input_scale", None) is None:
         # every block reads the token's one row: the same activation block (and so, after XLA's common
