@@ -41,6 +41,7 @@ GATE_EXPERTS = 16
 GATE_VOCAB = 16384  # the lm_head runs the same kernel at any vocabulary; a smaller one keeps the oracle quick
 GATE_NEW_TOKENS = 12
 LAYER_CHECK_MAX_ERR = 3e-2  # bf16 kernels vs fp32 reference through one layer
+PREFILL_CHECK_TOKENS = 512  # a prefill block past linear's kernel bound (QUANT_KERNEL_MAX_ROWS), several SSD chunks
 
 
 def log(*a):
@@ -136,13 +137,17 @@ def _random_state(kind, cfg, batch, context, key, dtype):
     return None
 
 
-def layer_check(params, batch: int, context: int) -> dict[str, float]:
-    """Relative error of each layer kind's bf16 GPU path against the fp32 "xla" reference."""
+def layer_check(params, batch: int, context: int, tokens: int = 1) -> dict[str, float]:
+    """Relative error of each layer kind's bf16 GPU path against the fp32 "xla" reference, for `tokens`
+    new tokens a row after `context` cached ones (1: a decode step; more: a prefill chunk, whose paths
+    differ: the chunked SSD scan, dequantised prefill projections, 64-row expert blocks). The lm_head is
+    checked with a decode step's rows only."""
     cfg = params.config
     key = jax.random.key(1)
     page = 16
-    pages_per_seq = -(-(context + 1) // page)
-    ctx = TokenContext(positions=jnp.full((batch, 1), context, jnp.int32), valid_len=jnp.ones((batch,), jnp.int32),
+    pages_per_seq = -(-(context + tokens) // page)
+    ctx = TokenContext(positions=context + jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (batch, tokens)),
+                       valid_len=jnp.full((batch,), tokens, jnp.int32),
                        block_tables=jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq))
     f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, tree)
     errors = {}
@@ -150,12 +155,15 @@ def layer_check(params, batch: int, context: int) -> dict[str, float]:
         if kind not in cfg.layer_kinds:
             continue
         layer = params.layers[cfg.layer_kinds.index(kind)]
-        h = jax.random.normal(jax.random.fold_in(key, len(errors)), (batch, 1, cfg.hidden_size)).astype(jnp.bfloat16)
-        state = _random_state(kind, cfg, batch, context, jax.random.fold_in(key, 100 + len(errors)), jnp.bfloat16)
+        h = jax.random.normal(jax.random.fold_in(key, len(errors)), (batch, tokens, cfg.hidden_size)).astype(jnp.bfloat16)
+        state = _random_state(kind, cfg, batch, context + tokens - 1, jax.random.fold_in(key, 100 + len(errors)),
+                              jnp.bfloat16)
         fast = jax.jit(lambda l, h, s: apply_mixer(l, h, cfg, s, ctx)[0])(layer, h, state)
         with default_impl("xla"):
             ref = jax.jit(lambda l, h, s: apply_mixer(l, h, cfg, s, ctx)[0])(f32(layer), f32(h), f32(state))
         errors[layer_scope(layer)] = _rel(fast, ref)
+    if tokens > 1:
+        return errors
     h = jax.random.normal(jax.random.fold_in(key, 99), (batch, cfg.hidden_size)).astype(jnp.bfloat16)
     head_only = dataclasses.replace(params, layers=())  # widening all of a bf16 Nano (60 GB) would not fit
     fast = jax.jit(logits_from_hidden)(head_only, h)
@@ -170,9 +178,13 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b)) if np.isfinite(a).all() else float("inf")
 
 
-def layer_check_line(params, context: int = 128) -> tuple[dict[str, float], str]:
-    """(errors by layer kind, the printed line: errors and PASS/FAIL against LAYER_CHECK_MAX_ERR)."""
+def layer_check_line(params, context: int = 128, prefill_tokens: int = PREFILL_CHECK_TOKENS) -> tuple[dict[str, float], str]:
+    """(errors by layer kind, the printed line: errors and PASS/FAIL against LAYER_CHECK_MAX_ERR): a decode
+    step of 4 rows, then one row's block of prefill_tokens tokens (keys "<kind> prefill")."""
     errs = layer_check(params, batch=4, context=context)
-    line = "layer check " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+    chunk = layer_check(params, batch=1, context=context, tokens=prefill_tokens)
+    line = ("layer check " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+            + f"; {prefill_tokens}-token block " + ", ".join(f"{k} {v:.1e}" for k, v in chunk.items()))
+    errs.update({f"{k} prefill": v for k, v in chunk.items()})
     return errs, line + (" PASS" if max(errs.values()) < LAYER_CHECK_MAX_ERR else " FAIL")
 

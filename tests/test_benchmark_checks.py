@@ -26,8 +26,10 @@ CONFIG = NemotronHConfig.from_dict({**QUANTISABLE_WIDTHS, "hybrid_override_patte
 
 @pytest.mark.parametrize("layout", ["dense", "NANO_NVFP4"])
 def test_layer_check_covers_every_kind_and_the_head(layout):
-    errs, line = checks.layer_check_line(random_params(CONFIG, layout), context=8)
-    assert set(errs) == {"mamba", "attention", "moe", "mlp", "lm_head"}
+    errs, line = checks.layer_check_line(random_params(CONFIG, layout), context=8, prefill_tokens=40)
+    kinds = {"mamba", "attention", "moe", "mlp"}
+    assert set(errs) == kinds | {"lm_head"} | {f"{k} prefill" for k in kinds}
+    assert "; 40-token block mamba" in line
     assert all(0 < e < checks.LAYER_CHECK_MAX_ERR for e in errs.values()), line
     assert line.endswith(" PASS")
 
