@@ -209,31 +209,6 @@ def test_ranked_top_k_is_lax_top_k(values, k, rows):
     np.testing.assert_array_equal(np.asarray(got_v).view(np.int32), np.asarray(want_v).view(np.int32))
 
 
-def test_router_bf16_parts_sum_exactly_and_the_split_product_matches_fp32():
-    """The fp32 router splits into three bf16 parts that sum back to it bit for bit (tiny, huge and
-    rounding-boundary values too); bf16 token blocks of ROUTER_SPLIT_MIN_TOKENS or more take the one bf16
-    product over the parts and match the float64 product to fp32 accuracy, as the fp32 dot does; fewer
-    tokens and fp32 inputs keep the fp32 dot."""
-    from nemoh.layers import moe
-
-    rng = np.random.default_rng(5)
-    w = rng.normal(size=(128, 2688)).astype(np.float32) * 0.02
-    w[0, :6] = [1.0 + 2.0**-23, -(1.0 + 2.0**-9), 3.0e38, -1.5e-30, 2.0**-100, 0.0]
-    parts = np.asarray(moe.bf16_parts(jnp.asarray(w))).astype(np.float32)
-    assert parts.shape == (3, *w.shape)
-    np.testing.assert_array_equal((parts[0] + (parts[1] + parts[2])).view(np.int32), w.view(np.int32))
-    w[0, :6] = 0.0
-    for tokens in (moe.ROUTER_SPLIT_MIN_TOKENS - 1, moe.ROUTER_SPLIT_MIN_TOKENS, 256):
-        x = jnp.asarray(rng.normal(size=(tokens, 2688)), jnp.bfloat16)
-        want = np.asarray(x, np.float64) @ w.astype(np.float64).T
-        for xin in (x, x.astype(jnp.float32)):
-            split = xin.dtype == jnp.bfloat16 and tokens >= moe.ROUTER_SPLIT_MIN_TOKENS
-            jaxpr = str(jax.make_jaxpr(moe.router_logits)(xin, jnp.asarray(w)))
-            assert ("Precision.HIGHEST" in jaxpr) != split, (tokens, xin.dtype)
-            got = np.asarray(moe.router_logits(xin, jnp.asarray(w)), np.float64)
-            assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 2e-6, (tokens, xin.dtype)
-
-
 def test_routing_top_k_ranks_decode_batches_and_sorts_prefill_chunks():
     """The routing's top-k ranks a decode batch's scores (no sort on the MoE layer's critical path) and
     leaves long prefill chunks to lax.top_k, whose cost does not grow with E per entry; equal results."""

@@ -46,33 +46,10 @@ class MoEParams(Stateless):
         return moe_mixer(self, h, cfg, ctx.token_mask(), ctx.placement), state
 
 
-ROUTER_SPLIT_MIN_TOKENS = 16  # bf16 inputs of at least this many tokens take the split router product
-
-
 def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
-    """x [T, H], router [E, H] -> x @ router^T [T, E] in fp32 (full-precision products).
-
-    For bf16 x of at least ROUTER_SPLIT_MIN_TOKENS tokens the fp32 router is split exactly into three
-    bf16 parts (bf16_parts) and x multiplies all three in one bf16 product with fp32 accumulation: every
-    product of a bf16 value and a bf16 part is exact in fp32, so only the fp32 sums round, as in an fp32
-    dot, and the tensor cores run it where XLA's fp32 dot of a few dozen tokens runs on one tile's CUDA
-    cores. Fewer tokens (the batch-1 GEMV reads the router once) and fp32 x keep the fp32 dot."""
-    if x.dtype != jnp.bfloat16 or x.shape[0] < ROUTER_SPLIT_MIN_TOKENS:
-        return jnp.einsum("th,eh->te", x.astype(jnp.float32), router.astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST)
-    parts = jnp.einsum("th,peh->pte", x, bf16_parts(router), preferred_element_type=jnp.float32)
-    return parts[0] + (parts[1] + parts[2])
-
-
-def bf16_parts(w: jax.Array) -> jax.Array:
-    """fp32 w [...] -> bf16 [3, ...] whose sum is exactly w: each part rounds what the parts before it
-    left, 8 significant bits at a time (24 in all, fp32's; bf16 shares fp32's exponent range, so the
-    split is exact for |w| >= 2**-100, below which the last part can fall subnormal)."""
-    w = w.astype(jnp.float32)
-    hi = w.astype(jnp.bfloat16)
-    rest = w - hi.astype(jnp.float32)
-    mid = rest.astype(jnp.bfloat16)
-    return jnp.stack([hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)])
+    """x [T, H], router [E, H] -> x @ router^T [T, E] in fp32 (full-precision products)."""
+    return jnp.einsum("th,eh->te", x.astype(jnp.float32), router.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 RANKED_TOP_K_MAX = 1 << 21  # top_k ranks inputs of up to this many entry pairs (a decode batch's scores)
