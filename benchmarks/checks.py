@@ -159,8 +159,8 @@ def layer_check(params, batch: int, context: int, tokens: int = 1) -> dict[str, 
         state = _random_state(kind, cfg, batch, context + tokens - 1, jax.random.fold_in(key, 100 + len(errors)),
                               jnp.bfloat16)
         fast = jax.jit(lambda l, h, s: apply_mixer(l, h, cfg, s, ctx)[0])(layer, h, state)
-        with default_impl("xla"):
-            ref = jax.jit(lambda l, h, s: apply_mixer(l, h, cfg, s, ctx)[0])(f32(layer), f32(h), f32(state))
+        with default_impl("xla"):  # widened inside the program: no fp32 copy of the layer's weights is kept
+            ref = jax.jit(lambda l, h, s: apply_mixer(f32(l), f32(h), cfg, f32(s), ctx)[0])(layer, h, state)
         errors[layer_scope(layer)] = _rel(fast, ref)
     if tokens > 1:
         return errors
@@ -168,7 +168,7 @@ def layer_check(params, batch: int, context: int, tokens: int = 1) -> dict[str, 
     head_only = dataclasses.replace(params, layers=())  # widening all of a bf16 Nano (60 GB) would not fit
     fast = jax.jit(logits_from_hidden)(head_only, h)
     with default_impl("xla"):
-        ref = jax.jit(lambda p, h: logits_from_hidden(p, h))(f32(head_only), f32(h))
+        ref = jax.jit(lambda p, h: logits_from_hidden(f32(p), f32(h)))(head_only, h)
     errors["lm_head"] = _rel(fast, ref)
     return errors
 
