@@ -19,6 +19,7 @@
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
+#   bash benchmarks/h200.sh compare-prefill  # the same for prefill 1x2048 and 8x512, profiled, ungated
 #   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
 #                                     # others (default: split-K for 4 CTAs per SM at decode, the earlier
 #                                     # default) in one process, calls interleaved, every variant gated
@@ -107,6 +108,12 @@ case "${1:-}" in
     echo "== this tree"
     (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
        --repeats 2 --no-gate --call-overhead) ;;
+  compare-prefill) # the same for prefill of one 2,048-token prompt and 8 of 512 (benchmarks/prefill.py), profiled
+    for tree in _old .; do
+      [ -d "$tree/nemoh" ] || { echo "== no baseline: _old/nemoh is missing (see the top of this file)"; continue; }
+      (cd "$tree" && echo "== $tree tree $(tree_id)" && OUT="$OUT/prefill-$(basename "$(pwd)")" leg 280 \
+         benchmarks/prefill.py --layouts NANO_NVFP4 --shapes 1x2048,8x512 --profile --no-gate)
+    done ;;
   variants) # kernel tilings against the default in one process, timed calls interleaved (benchmarks/ab.py), each
              # variant gated; the tilings after the part's name (default: $CANDIDATE_TILINGS)
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
