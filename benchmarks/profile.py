@@ -5,8 +5,9 @@ output projection carries "lm_head"; anything else in the decode step (embedding
 bookkeeping, the loop itself) is "glue". A fused XLA kernel is named after its HLO instruction, and the
 compiled program's HLO text maps each instruction to its op_name, which holds the scope. The Mosaic GPU
 kernels all share one name; the profiler reports each launch's CUDA grid, which is the kernel's grid
-(N/64, B, splits) in reverse order, and the HLO gives each Mosaic custom call's output f32[splits, B, tm, N]
-and scope: a grid found in one scope only takes that scope. Other kernels not named after an instruction
+(N/64/tiles, B, splits) in reverse order (tiles: the 64-column weight tiles one CTA takes, 1 to
+MAX_WEIGHT_TILES), and the HLO gives each Mosaic custom call's output f32[splits, B, tm, N] and scope, not
+its tiles: a grid that one of its tile counts gives in one scope only takes that scope. Other kernels not named after an instruction
 (cuBLAS, copies, Mosaic grids shared by several scopes) take the scope of the nearest attributed kernel
 before them on the same stream (their own launch's operand prep). Kernel time is summed per scope; the
 rest of the profiled wall time is launch gaps and host work.
@@ -26,7 +27,8 @@ SCOPES = ("mamba", "attention", "moe", "mlp", "lm_head")
 _INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name="([^"]*)"')
 _MOSAIC_OUT = re.compile(r'=\s*f32\[(\d+),(\d+),\d+,(\d+)\]\S*\s+custom-call\(.*custom_call_target="mosaic_gpu')
 _GRID = re.compile(r"\bgrid:([\d,]+)")
-TILE_N = 64  # output columns per Mosaic kernel CTA (pallas_kernels' weight tile)
+TILE_N = 64  # output columns of one weight tile of a Mosaic kernel (pallas_kernels')
+MAX_WEIGHT_TILES = 4  # tile counts a CTA may take that the grid match tries (Tiling.weight_tiles; up to 4 measured)
 
 
 def _norm(name: str) -> str:
@@ -48,14 +50,15 @@ def op_scopes(hlo_text: str) -> dict[str, str]:
 
 
 def mosaic_grid_scopes(hlo_text: str) -> dict[str, str]:
-    """CUDA grid as the profiler prints it ("splits,B,N/64") -> scope, for the grids of Mosaic weight
-    kernels that occur in one scope only."""
+    """CUDA grid as the profiler prints it ("splits,B,N/64/tiles", rounded up) -> scope, for the grids
+    that the Mosaic weight kernels' possible tile counts give in one scope only."""
     seen = collections.defaultdict(set)
     for line in hlo_text.splitlines():
         out, op = _MOSAIC_OUT.search(line), _INSTR.match(line)
         if out and op:
             splits, blocks, n = (int(g) for g in out.groups())
-            seen[f"{splits},{blocks},{-(-n // TILE_N)}"].add(_scope(op.group(2)))
+            for tiles in range(1, MAX_WEIGHT_TILES + 1):
+                seen[f"{splits},{blocks},{-(-n // (TILE_N * tiles))}"].add(_scope(op.group(2)))
     return {grid: scopes.pop() for grid, scopes in seen.items() if len(scopes) == 1}
 
 

@@ -18,7 +18,12 @@ MOSAIC = "wgemm_mosaic_gpu_kernel"
 
 
 def test_mosaic_grids_map_to_their_scope_when_unambiguous():
-    assert mosaic_grid_scopes(HLO) == {"4,1,161": "mamba", "1,1,2048": "lm_head"}
+    """Each kernel's grid under every tile count a CTA may take (the HLO does not say which): 131,072
+    columns in 64-column tiles, three a CTA, make 683 CTAs; the o_proj and out_proj grids stay ambiguous."""
+    grids = mosaic_grid_scopes(HLO)
+    assert {g: grids[g] for g in ("4,1,161", "4,1,54", "1,1,2048", "1,1,683")} == {
+        "4,1,161": "mamba", "4,1,54": "mamba", "1,1,2048": "lm_head", "1,1,683": "lm_head"}
+    assert not any(g.startswith("13,1,") for g in grids)
 
 
 def test_kernels_are_attributed_by_name_then_grid_then_neighbour():
@@ -27,7 +32,7 @@ def test_kernels_are_attributed_by_name_then_grid_then_neighbour():
         ("loop_pad_fusion_8", 1.0, 1.0, None, "s"),
         (MOSAIC, 5.0, 3.0, "13,1,42", "s"),   # shared grid: the scope of the kernel before it
         ("input_reduce_fusion", 1.0, 4.0, None, "s"),
-        (MOSAIC, 9.0, 5.0, "1,1,2048", "s"),  # the head, after a glue kernel
+        (MOSAIC, 9.0, 5.0, "1,1,683", "s"),  # the head (three tiles a CTA), after a glue kernel
         ("MemcpyD2D", 1.0, 6.0, None, "s"),
     ]
     scopes, by_neighbour = attribute(events, HLO)
