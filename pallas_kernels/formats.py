@@ -97,8 +97,8 @@ def _ptx_decode(codes: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     programs run on every pair of WGMMA-layout registers (a 32-bit word $1 of four codes), the results in
     codes' layout. GPU only (the interpreter has no PTX; e2m1_pair_to_f16 is the float16 decode's model)."""
     from jax.experimental.mosaic import gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
+    from jax.extend.mlir import ir
+    from jaxlib.mlir.dialects import llvm
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     ptx = {k: "\n".join(["{", ".reg .b32 %nv_a, %nv_b, %nv_u, %nv_w, %nv_r0, %nv_r1;", ".reg .b16 %nv_h0, %nv_h1;",
