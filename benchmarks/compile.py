@@ -1,11 +1,13 @@
 """Where compile time goes: the prefill and decode programs at Nano dims, under sets of XLA flags.
 
     PYTHONPATH=. python3 benchmarks/compile.py [--layout NANO_NVFP4] [--variants default,autotune0]
-        [--prompt 128] [--steps 32] [--pattern P] [--dims JSON] [--out DIR]
+        [--batch 1] [--prompt 128] [--steps 32] [--pattern P] [--dims JSON] [--out DIR]
     PYTHONPATH=. python3 benchmarks/compile.py --lower-only 1,32   # any machine, the CPU too
 
 Each variant runs in a fresh process (XLA reads its flags once) with the persistent compilation cache
-off. Per variant: trace + lowering and XLA compile seconds of each program, timed separately; the host
+off. Per variant: for `batch` prompts of `prompt` tokens (a decode batch of more than 8 rows holds XLA
+GEMMs, whose Triton configs are autotuned, where batch 1 has none), trace + lowering and XLA compile
+seconds of each program, timed separately; the host
 events of the profiled decode compile summed by name (XLA's passes, autotuning, the Mosaic GPU kernels'
 compiles; nested events count in each enclosing one); the number of Mosaic GPU kernel calls in each
 program and how many of them are distinct; then decode ms per step with that program (median of 3
@@ -119,7 +121,7 @@ def lowering(layout: str, batches: list[int], prompt: int, pattern: str, dims: s
     return out
 
 
-def measure(layout: str, prompt: int, steps: int, pattern: str, dims: str) -> dict:
+def measure(layout: str, batch: int, prompt: int, steps: int, pattern: str, dims: str) -> dict:
     """In this process: build the params, lower and compile both programs, time decode."""
     import jax
     import jax.numpy as jnp
@@ -135,7 +137,7 @@ def measure(layout: str, prompt: int, steps: int, pattern: str, dims: str) -> di
     set_compilation_cache(None)  # compile, never load from a cache
     cfg = nano_config(pattern, dims=Path(dims))
     params = random_params(cfg, layout, dtype=jnp.bfloat16)
-    prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt], seed=1)]
+    prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=1)]
     params, x, static = prefill_inputs(params, prompts, steps * 4 + 2)
     out = {}
     t0 = time.perf_counter()
@@ -170,6 +172,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="NANO_NVFP4")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"names from {sorted(VARIANTS)}")
+    ap.add_argument("--batch", type=int, default=1, help="prompts, the decode batch")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -186,24 +189,25 @@ def main() -> int:
                   f"{r['lower_s']:.2f} s, {r['mosaic_kernels']} Mosaic kernels in the module", flush=True)
         return 0
     if args.child:
-        print(json.dumps(measure(args.layout, args.prompt, args.steps, args.pattern, args.dims)))
+        print(json.dumps(measure(args.layout, args.batch, args.prompt, args.steps, args.pattern, args.dims)))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
         flags = VARIANTS[name]
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
-        cmd = [sys.executable, __file__, "--child", "--layout", args.layout, "--prompt", str(args.prompt),
+        cmd = [sys.executable, __file__, "--child", "--layout", args.layout, "--batch", str(args.batch),
+               "--prompt", str(args.prompt),
                "--steps", str(args.steps), "--pattern", args.pattern, "--dims", args.dims]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
             print(f"{name}: FAILED rc={done.returncode}: {done.stderr[-1500:]}", flush=True)
             continue
-        r = {"variant": name, "xla_flags": flags, "layout": args.layout, **json.loads(done.stdout.splitlines()[-1])}
+        r = {"variant": name, "xla_flags": flags, "layout": args.layout, "batch": args.batch, **json.loads(done.stdout.splitlines()[-1])}
         with (out / "compile.jsonl").open("a") as f:
             f.write(json.dumps(r) + "\n")
         p, d = r["prefill"], r["decode"]
-        print(f"{name} ({flags or 'no flags'}): prefill lower {p['lower_s']:.1f} s compile {p['compile_s']:.1f} s "
+        print(f"{name} ({flags or 'no flags'}), batch {args.batch}: prefill lower {p['lower_s']:.1f} s compile {p['compile_s']:.1f} s "
               f"(Mosaic calls {p['mosaic_calls']}); decode lower {d['lower_s']:.1f} s compile {d['compile_s']:.1f} s "
               f"(Mosaic calls {d['mosaic_calls']}); decode {r['decode_ms_per_step_ungated']:.3f} ms/step ungated",
               flush=True)

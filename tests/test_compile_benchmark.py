@@ -30,7 +30,7 @@ def test_measure_times_both_programs(tmp_path):
     dims.write_text(json.dumps(QUANTISABLE_WIDTHS))
     cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
     try:
-        r = measure("NANO_NVFP4", prompt=5, steps=2, pattern="ME*M", dims=str(dims))  # turns the cache off
+        r = measure("NANO_NVFP4", batch=2, prompt=5, steps=2, pattern="ME*M", dims=str(dims))  # turns the cache off
     finally:
         set_compilation_cache(cache)
     for program in ("prefill", "decode"):
