@@ -107,8 +107,9 @@ def test_chunked_ssd_equals_recurrence(T, Q, G, with_state):
 
 
 def test_chunked_ssd_has_no_loop_over_chunks():
-    """The pass from chunk to chunk is unrolled: a prefill program holds no loop per Mamba layer (each
-    trip of one would launch its kernels and wait on the host for the next predicate)."""
+    """The states entering the chunks come from one product over chunks: a prefill program holds no loop
+    per Mamba layer (each trip of one would launch its kernels and wait on the host for the next
+    predicate)."""
     k = jax.random.split(jax.random.PRNGKey(0), 6)
     b, T, nh, hd, G, N, Q = 1, 64, 4, 3, 2, 5, 8
     args = (jax.random.normal(k[0], (b, T, nh, hd)), jax.nn.softplus(jax.random.normal(k[1], (b, T, nh))),
