@@ -104,7 +104,7 @@ def ssd_chunked(x, dt, A, B, C, D, chunk_size: int, initial_state=None):
     # S_start[z] = sum_{c <= z} exp(total a of chunks c..z-1) * contribution c, contribution 0 being the
     # initial state and contribution c > 0 chunk c-1's own (chunk_states); z = nc is the final state
     s0 = (jnp.zeros((b, nh, hd, N), jnp.float32) if initial_state is None else f32(initial_state))
-    totals = jnp.pad(jnp.moveaxis(a_cum[..., -1], 1, -1), [(0, 0)] * 3 + [(1, 0)])  # [b, G, hpg, nc+1]
+    totals = jnp.pad(jnp.moveaxis(a_cum[..., -1], 1, -1), [(0, 0)] * 3 + [(1, 0)])  # [b, G, hpg, nc+1]: 0, chunk sums
     contributions = jnp.concatenate([s0.reshape(b, 1, G, hpg, hd, N), chunk_states], axis=1)
     states = jnp.einsum("bghzc,bcghpn->bzghpn", jnp.exp(_segsum(totals)), contributions, precision=_HI)
     starts, final = states[:, :-1], states[:, -1]  # [b, nc, G, hpg, hd, N]: state entering each chunk
