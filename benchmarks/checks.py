@@ -8,7 +8,8 @@
    runs in $NEMOH_ORACLE_PYTHON or .venv-oracle, else (a GPU machine image with torch and transformers
    installed) in this interpreter.
 2. Per-layer check at full width: the first layer of each kind (and lm_head) through the GPU path in
-   bf16 against the "xla" reference in fp32 on identical inputs, as a relative error.
+   bf16 against the "xla" reference in fp32 on identical inputs, as a relative error: a decode step of
+   4 rows, then a 512-token prefill block (PREFILL_CHECK_TOKENS), whose paths differ.
 """
 
 from __future__ import annotations
