@@ -21,6 +21,8 @@
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
 #                                     # this tree
 #   bash benchmarks/h200.sh compare-prefill  # the same for prefill 1x2048 and 8x512, profiled, ungated
+#   bash benchmarks/h200.sh ssd       # the chunked SSD scan alone, 1x2048 and 8x512: this tree's and (when
+#                                     # present) _old's in one process, each against the recurrence
 #   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
 #                                     # others (default: split-K for 4 CTAs per SM at decode, the earlier
 #                                     # default) in one process, calls interleaved, every variant gated
@@ -115,6 +117,7 @@ case "${1:-}" in
       (cd "$tree" && echo "== $tree tree $(tree_id)" && OUT="$OUT/prefill-$(basename "$(pwd)")" leg 280 \
          benchmarks/prefill.py --layouts NANO_NVFP4 --shapes 1x2048,8x512 --profile --no-gate)
     done ;;
+  ssd) leg 200 benchmarks/ssd.py $([ -d _old/nemoh ] && echo --against _old) ;;
   variants) # kernel tilings against the default in one process, timed calls interleaved (benchmarks/ab.py), each
              # variant gated; the tilings after the part's name (default: $CANDIDATE_TILINGS)
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \

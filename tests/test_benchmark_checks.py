@@ -1,7 +1,7 @@
 """benchmarks/checks.py's per-layer check (every layer kind and the lm_head, for a dense and an NVFP4 model:
 tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding), its
-margin check's perturbation, the HBM ceiling and tiling parser of benchmarks/common.py, and the sampler
-benchmark's check."""
+margin check's perturbation, the HBM ceiling and tiling parser of benchmarks/common.py, the sampler
+benchmark's check and the SSD benchmark's comparison of trees."""
 
 from __future__ import annotations
 
@@ -214,3 +214,21 @@ def test_sampler_benchmark_checks_its_cut_then_times(tmp_path, monkeypatch):
     assert done.value.code == 0
     assert [r["cut_rows_agreeing"] + r["rows_at_boundary"] for r in records] == [1, 9]
     assert set(records[1]["us"]) == {f"sample {name}" for name in sampler.SETTINGS} | {"cut alone", "sorted cut alone"}
+
+
+def test_ssd_benchmark_compares_trees_against_the_recurrence():
+    """benchmarks/ssd.py: this tree's scan and another tree's (here the same file, loaded as a module of
+    its own) both checked against the per-token recurrence and timed in one process."""
+    from pathlib import Path
+
+    from benchmarks import ssd as ssd_bench
+
+    cfg = NemotronHConfig.from_dict({**QUANTISABLE_WIDTHS, "hybrid_override_pattern": "M"})
+    other = ssd_bench.load_ssd(str(Path(__file__).parents[1]))
+    assert other is not ssd_bench.ssd
+    rows = ssd_bench.compare({"this": ssd_bench.ssd, "other": other}, cfg, rows=2, tokens=20, rounds=2)
+    assert [r["variant"] for r in rows] == ["this", "other"]
+    for r in rows:
+        assert r["err_y"] < 1e-5 and r["err_state"] < 1e-5 and r["median_wall_us"] > 0
+        assert r["device_us"] is None  # CUPTI is GPU only
+        assert ssd_bench.line(r).startswith(f"{r['variant']} 2x20: ")
