@@ -84,14 +84,21 @@ def wall_us(fn, args, reps):
 _PRINTED_NAMES: list = []
 
 
-def kernel_us(fn, args, copies):
-    """Per-copy device time of the Mosaic kernels in fn (CUPTI), or None where CUPTI is unavailable."""
+def cupti_timings(fn, args, quiet: bool = False) -> list | None:
+    """(kernel name, ms) of every kernel one call of fn(*args) launches (CUPTI), or None where CUPTI is
+    unavailable (said unless quiet: the CPU has none)."""
     try:
         from jax.experimental.mosaic.gpu import profiler
-        _, timings = profiler.measure(fn, aggregate=False)(*args)
+        return profiler.measure(fn, aggregate=False)(*args)[1]
     except Exception as exc:  # noqa: BLE001 - report and carry on with wall time only
-        print(f"  (CUPTI unavailable: {type(exc).__name__}: {str(exc)[:120]})")
-        return None, None
+        if not quiet:
+            print(f"  (CUPTI unavailable: {type(exc).__name__}: {str(exc)[:120]})")
+        return None
+
+
+def kernel_us(fn, args, copies):
+    """Per-copy device time of the Mosaic kernels in fn (CUPTI), or None where CUPTI is unavailable."""
+    timings = cupti_timings(fn, args)
     if not timings:
         return None, None
     mosaic = [ms for name, ms in timings if "wgemm" in name]

@@ -19,13 +19,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import NANO_DIMS, nano_config
+from benchmarks.common import NANO_DIMS, nano_config, wall_s
+from benchmarks.kernels import cupti_timings, max_rel
 from benchmarks.prefill import parse_shapes
 from nemoh.layers import ssd
 
@@ -52,20 +52,6 @@ def inputs(cfg, rows: int, tokens: int, key):
             0.1 * jax.random.normal(k[6], (rows, nh, hd, N)))
 
 
-def rel(a, b) -> float:
-    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-
-
-def device_us(fn, args) -> tuple[float | None, int | None]:
-    """(device µs, kernels) of one call of fn(*args) from CUPTI, or (None, None) where it is unavailable."""
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-        _, timings = profiler.measure(fn, aggregate=False)(*args)
-    except Exception:  # noqa: BLE001 - CUPTI is GPU only; wall time is still reported
-        return None, None
-    return 1e3 * sum(ms for _, ms in timings), len(timings)
-
-
 def compare(variants: dict, cfg, rows: int, tokens: int, rounds: int) -> list[dict]:
     args = inputs(cfg, rows, tokens, jax.random.PRNGKey(rows * 100003 + tokens))
     y_ref, s_ref = jax.jit(ssd.ssd_reference)(*args)
@@ -74,16 +60,17 @@ def compare(variants: dict, cfg, rows: int, tokens: int, rounds: int) -> list[di
     out = {}
     for name, fn in programs.items():
         y, s = jax.block_until_ready(fn(*args))
-        out[name] = {"variant": name, "rows": rows, "tokens": tokens, "err_y": rel(y, y_ref), "err_state": rel(s, s_ref),
-                     "wall_us": []}
+        out[name] = {"variant": name, "rows": rows, "tokens": tokens, "err_y": max_rel(y, y_ref),
+                     "err_state": max_rel(s, s_ref), "wall_us": []}
     order = list(programs)
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
-            jax.block_until_ready(programs[name](*args))
-            out[name]["wall_us"].append(1e6 * (time.perf_counter() - t0))
+            (seconds,) = wall_s(lambda: jax.block_until_ready(programs[name](*args)), 1)
+            out[name]["wall_us"].append(1e6 * seconds)
     for name, fn in programs.items():
-        out[name]["device_us"], out[name]["kernels"] = device_us(fn, args)
+        timings = cupti_timings(fn, args, quiet=True)
+        out[name]["device_us"] = None if timings is None else 1e3 * sum(ms for _, ms in timings)
+        out[name]["kernels"] = None if timings is None else len(timings)
         out[name]["median_wall_us"] = statistics.median(out[name].pop("wall_us"))
     return list(out.values())
 
