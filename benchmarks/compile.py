@@ -41,7 +41,6 @@ from benchmarks.common import NANO_DIMS, NANO_PATTERN, wall_s
 VARIANTS = {
     "default": "",
     "autotune0": "--xla_gpu_autotune_level=0",
-    "no_triton_gemm": "--xla_gpu_enable_triton_gemm=false",
     "serial": "--xla_gpu_force_compilation_parallelism=1",
 }
 _MOSAIC = re.compile(r'custom_call_target="mosaic_gpu[^"]*"(.*)')

@@ -15,7 +15,7 @@
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as it is
-#                                     # and with XLA's Triton GEMMs off
+#                                     # and with XLA's autotuning off
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
@@ -31,7 +31,7 @@
 #                                     # two weight tiles a CTA, 128-row MoE expert blocks)
 #   bash benchmarks/h200.sh xla-variants [SETS] [SAMPLING]  # NANO_NVFP4 decode batches 1,32: XLA options compiled
 #                                     # into the decode program against the engine's own, in one process
-#                                     # (default: XLA's Triton GEMMs off, as in the prefill program); greedy,
+#                                     # (default: $CANDIDATE_XLA, none now: name SETS); greedy,
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
@@ -61,11 +61,10 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="decode_ctas_per_sm=4"
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
-# XLA options not the engine's, timed against its own by `xla-variants` (';' between sets): XLA's Triton GEMMs
-# off in the decode program too (its batch-32 step has XLA GEMMs: the router's fp32 dot took 19 us a layer in
-# run 13, and the Triton configs are autotuned at compile). Earlier candidates measured and not adopted are in
-# docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)
-CANDIDATE_XLA="xla_gpu_enable_triton_gemm=false"
+# XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
+# XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
+# adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)
+CANDIDATE_XLA=""
 
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
@@ -136,9 +135,9 @@ case "${1:-}" in
            leg 170 benchmarks/step_trace.py --batch $b ${2:+--tiling "$2"} $graphs
          done; done
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
-  compile) # batch 1 (no XLA GEMMs in the step), then batch 32 (Triton GEMM fusions autotuned), each as it is and
-           # with Triton GEMMs off (the prefill program's choice)
-    for batch in 1 32; do leg 280 benchmarks/compile.py --variants default,no_triton_gemm --batch $batch; done ;;
+  compile) # batch 1 (no XLA GEMMs in the step), then batch 32 (XLA's GEMMs: the router), each as it is and with
+           # XLA's autotuning off
+    for batch in 1 32; do leg 280 benchmarks/compile.py --variants default,autotune0 --batch $batch; done ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
         # program, this tree and (when present) an older one extracted to _old, e.g. a8f5353 with

@@ -66,7 +66,7 @@ def step(params: ModelParams, carry: DecodeCarry) -> DecodeCarry:
     )
 
 
-@partial(jax.jit, donate_argnums=(1,), compiler_options=xla_options.DECODE)
+@partial(jax.jit, donate_argnums=(1,), compiler_options=xla_options.ENGINE)
 def _decode(params: ModelParams, carry: DecodeCarry, num_steps: jax.Array) -> DecodeCarry:
     def cond(state):
         i, c = state

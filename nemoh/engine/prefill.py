@@ -46,7 +46,7 @@ class PrefillInputs:
 
 
 @partial(jax.jit, static_argnames=("chunk", "num_pages", "page_size"), donate_argnums=(1,),
-         compiler_options=xla_options.PREFILL)
+         compiler_options=xla_options.ENGINE)
 def _prefill(params: ModelParams, x: PrefillInputs, chunk: int, num_pages: int, page_size: int) -> DecodeCarry:
     rows = x.lengths.shape[0]
     positions = jnp.arange(chunk, dtype=jnp.int32)[None, :]
