@@ -30,6 +30,7 @@ import numpy as np
 import nemoh
 from nemoh import oracle
 from nemoh.config import ATTENTION, MAMBA, MLP, MOE
+from nemoh.engine import xla_options
 from nemoh.gate import compare, default_prompts
 from nemoh.layers.attention import KVPages
 from nemoh.layers.context import TokenContext
@@ -138,6 +139,11 @@ def _random_state(kind, cfg, batch, context, key, dtype):
     return None
 
 
+# the fp32 references compile as the engine's programs do, without autotuning: their speed does not matter,
+# and autotuning's scratch buffers beside a bf16 Nano (59 GiB) ran an 80 GB card out of memory
+REFERENCE_XLA = {**xla_options.ENGINE, "xla_gpu_autotune_level": 0}
+
+
 def layer_check(params, batch: int, context: int, tokens: int = 1) -> dict[str, float]:
     """Relative error of each layer kind's bf16 GPU path against the fp32 "xla" reference, for `tokens`
     new tokens a row after `context` cached ones (1: a decode step; more: a prefill chunk, whose paths
@@ -159,17 +165,19 @@ def layer_check(params, batch: int, context: int, tokens: int = 1) -> dict[str, 
         h = jax.random.normal(jax.random.fold_in(key, len(errors)), (batch, tokens, cfg.hidden_size)).astype(jnp.bfloat16)
         state = _random_state(kind, cfg, batch, context + tokens - 1, jax.random.fold_in(key, 100 + len(errors)),
                               jnp.bfloat16)
-        fast = jax.jit(lambda l, h, s: apply_mixer(l, h, cfg, s, ctx)[0])(layer, h, state)
+        fast = jax.jit(lambda l, h, s: apply_mixer(l, h, cfg, s, ctx)[0],
+                       compiler_options=xla_options.ENGINE)(layer, h, state)
         with default_impl("xla"):  # widened inside the program: no fp32 copy of the layer's weights is kept
-            ref = jax.jit(lambda l, h, s: apply_mixer(f32(l), f32(h), cfg, f32(s), ctx)[0])(layer, h, state)
+            ref = jax.jit(lambda l, h, s: apply_mixer(f32(l), f32(h), cfg, f32(s), ctx)[0],
+                          compiler_options=REFERENCE_XLA)(layer, h, state)
         errors[layer_scope(layer)] = _rel(fast, ref)
     if tokens > 1:
         return errors
     h = jax.random.normal(jax.random.fold_in(key, 99), (batch, cfg.hidden_size)).astype(jnp.bfloat16)
     head_only = dataclasses.replace(params, layers=())  # widening all of a bf16 Nano (60 GB) would not fit
-    fast = jax.jit(logits_from_hidden)(head_only, h)
+    fast = jax.jit(logits_from_hidden, compiler_options=xla_options.ENGINE)(head_only, h)
     with default_impl("xla"):
-        ref = jax.jit(lambda p, h: logits_from_hidden(f32(p), f32(h)))(head_only, h)
+        ref = jax.jit(lambda p, h: logits_from_hidden(f32(p), f32(h)), compiler_options=REFERENCE_XLA)(head_only, h)
     errors["lm_head"] = _rel(fast, ref)
     return errors
 
