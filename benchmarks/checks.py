@@ -140,8 +140,22 @@ def _random_state(kind, cfg, batch, context, key, dtype):
 
 
 # the fp32 references compile as the engine's programs do, without autotuning: their speed does not matter,
-# and autotuning's scratch buffers beside a bf16 Nano (59 GiB) ran an 80 GB card out of memory
+# and autotuning's scratch buffers need device memory that a bf16 Nano (59 GiB) leaves short on an 80 GB card
 REFERENCE_XLA = {**xla_options.ENGINE, "xla_gpu_autotune_level": 0}
+
+
+def _fp32_reference(fn, *args) -> np.ndarray:
+    """fn(*args) traced with the "xla" ops, on the default device; where it does not fit there beside the
+    model (RESOURCE_EXHAUSTED), on the host's CPU. A bf16 Nano MoE layer's experts widened to fp32 for a
+    512-token block need ~9 GiB more than an 80 GB card holds beside the 59 GiB model."""
+    with default_impl("xla"):
+        try:
+            return np.asarray(jax.jit(fn, compiler_options=REFERENCE_XLA)(*args))
+        except jax.errors.JaxRuntimeError as exc:
+            if "RESOURCE_EXHAUSTED" not in str(exc):
+                raise
+            log(f"fp32 reference on the host CPU: out of device memory ({str(exc).splitlines()[0][:160]})")
+        return np.asarray(jax.jit(fn)(*jax.device_put(args, jax.devices("cpu")[0])))
 
 
 def layer_check(params, batch: int, context: int, tokens: int = 1) -> dict[str, float]:
@@ -167,17 +181,15 @@ def layer_check(params, batch: int, context: int, tokens: int = 1) -> dict[str, 
                               jnp.bfloat16)
         fast = jax.jit(lambda l, h, s: apply_mixer(l, h, cfg, s, ctx)[0],
                        compiler_options=xla_options.ENGINE)(layer, h, state)
-        with default_impl("xla"):  # widened inside the program: no fp32 copy of the layer's weights is kept
-            ref = jax.jit(lambda l, h, s: apply_mixer(f32(l), f32(h), cfg, f32(s), ctx)[0],
-                          compiler_options=REFERENCE_XLA)(layer, h, state)
+        # widened inside the program: no fp32 copy of the layer's weights is kept beside the model
+        ref = _fp32_reference(lambda l, h, s, c: apply_mixer(f32(l), f32(h), cfg, f32(s), c)[0], layer, h, state, ctx)
         errors[layer_scope(layer)] = _rel(fast, ref)
     if tokens > 1:
         return errors
     h = jax.random.normal(jax.random.fold_in(key, 99), (batch, cfg.hidden_size)).astype(jnp.bfloat16)
     head_only = dataclasses.replace(params, layers=())  # widening all of a bf16 Nano (60 GB) would not fit
     fast = jax.jit(logits_from_hidden, compiler_options=xla_options.ENGINE)(head_only, h)
-    with default_impl("xla"):
-        ref = jax.jit(lambda p, h: logits_from_hidden(f32(p), f32(h)), compiler_options=REFERENCE_XLA)(head_only, h)
+    ref = _fp32_reference(lambda p, h: logits_from_hidden(f32(p), f32(h)), head_only, h)
     errors["lm_head"] = _rel(fast, ref)
     return errors
 

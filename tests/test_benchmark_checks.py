@@ -1,6 +1,6 @@
 """benchmarks/checks.py's per-layer check (every layer kind and the lm_head, for a dense and an NVFP4 model:
-tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding), its
-margin check's perturbation, the HBM ceiling and tiling parser of benchmarks/common.py, the sampler
+tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding; its
+fp32 reference moving to the host when the device is full), its margin check's perturbation, the HBM ceiling and tiling parser of benchmarks/common.py, the sampler
 benchmark's check and the SSD benchmark's comparison of trees."""
 
 from __future__ import annotations
@@ -42,6 +42,31 @@ def test_lm_head_check_widens_only_the_head(monkeypatch):
     monkeypatch.setattr(checks, "logits_from_hidden", lambda p, h: seen.append(len(p.layers)) or real(p, h))
     checks.layer_check(random_params(CONFIG, "dense"), batch=2, context=8)
     assert seen == [0, 0]
+
+
+def _device_full(monkeypatch, message):
+    """jax.jit as on a device without room: a program compiled with the references' options raises."""
+    real = jax.jit
+
+    def jit(fn, **kwargs):
+        if kwargs.get("compiler_options") is checks.REFERENCE_XLA:
+            def full(*args):
+                raise jax.errors.JaxRuntimeError(message)
+            return full
+        return real(fn, **kwargs)
+    monkeypatch.setattr(jax, "jit", jit)
+
+
+def test_fp32_reference_moves_to_the_host_when_the_device_is_full(monkeypatch):
+    _device_full(monkeypatch, "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.34GiB")
+    out = checks._fp32_reference(lambda a, b: a * b, jnp.arange(3.0), jnp.float32(2))
+    np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
+
+
+def test_fp32_reference_raises_other_device_errors(monkeypatch):
+    _device_full(monkeypatch, "INTERNAL: a kernel failed")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        checks._fp32_reference(lambda a: a, jnp.arange(3.0))
 
 
 @pytest.mark.parametrize("layout", ["NANO_FP8", "NANO_NVFP4"])
