@@ -1,7 +1,8 @@
 """benchmarks/checks.py's per-layer check (every layer kind and the lm_head, for a dense and an NVFP4 model:
 tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding; its
-fp32 reference moving to the host when the device is full), its margin check's perturbation, the HBM ceiling and tiling parser of benchmarks/common.py, the sampler
-benchmark's check and the SSD benchmark's comparison of trees."""
+fp32 reference moving to the host when the device is full), its margin check's perturbation, the HBM
+ceiling and tiling parser of benchmarks/common.py, the sampler benchmark's check and the SSD benchmark's
+comparison of trees."""
 
 from __future__ import annotations
 
