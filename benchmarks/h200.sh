@@ -7,6 +7,8 @@
 #   bash benchmarks/h200.sh nvfp4     # NANO_NVFP4: gate, decode batches 1,32 (profiled), prefill 1x2048 and 8x512
 #   bash benchmarks/h200.sh nvfp4-more  # NANO_NVFP4: gate, decode batches 8,64
 #   bash benchmarks/h200.sh dense     # bf16: gate, decode batches 1,32, prefill of one 2,048-token prompt
+#   bash benchmarks/h200.sh prefill-targets  # prefill of one 2,048-token prompt, NANO_NVFP4 then bf16, each gated
+#                                     # in its own process (the prefill targets alone, in one call)
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
@@ -69,6 +71,9 @@ CANDIDATE_XLA=""
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
            --steps 32 --repeats 2 --prefill-shapes 1x2048,8x512 ;;
+  prefill-targets) for layout in NANO_NVFP4 dense; do
+                     leg 290 benchmarks/prefill.py --layouts $layout --shapes 1x2048
+                   done ;;
   nvfp4-more) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 8,64 --profile-batches "" --steps 32 --repeats 2 ;;
   dense) leg 560 benchmarks/decode.py --layouts dense --batches 1,32 --profile-batches "" --steps 32 --repeats 2 \
            --prefill-shapes 1x2048 ;;
