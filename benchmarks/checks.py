@@ -182,7 +182,8 @@ def layer_check(params, batch: int, context: int, tokens: int = 1) -> dict[str, 
         fast = jax.jit(lambda l, h, s: apply_mixer(l, h, cfg, s, ctx)[0],
                        compiler_options=xla_options.ENGINE)(layer, h, state)
         # widened inside the program: no fp32 copy of the layer's weights is kept beside the model
-        ref = _fp32_reference(lambda l, h, s, c: apply_mixer(f32(l), f32(h), cfg, f32(s), c)[0], layer, h, state, ctx)
+        ref = _fp32_reference(lambda l, h, s, c: apply_mixer(f32(l), f32(h), cfg, f32(s), c)[0],
+                              layer, h, state, ctx)
         errors[layer_scope(layer)] = _rel(fast, ref)
     if tokens > 1:
         return errors

@@ -196,18 +196,18 @@ def main() -> int:
         flags = VARIANTS[name]
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
         cmd = [sys.executable, __file__, "--child", "--layout", args.layout, "--batch", str(args.batch),
-               "--prompt", str(args.prompt),
-               "--steps", str(args.steps), "--pattern", args.pattern, "--dims", args.dims]
+               "--prompt", str(args.prompt), "--steps", str(args.steps), "--pattern", args.pattern, "--dims", args.dims]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
             print(f"{name}: FAILED rc={done.returncode}: {done.stderr[-1500:]}", flush=True)
             continue
-        r = {"variant": name, "xla_flags": flags, "layout": args.layout, "batch": args.batch, **json.loads(done.stdout.splitlines()[-1])}
+        r = {"variant": name, "xla_flags": flags, "layout": args.layout, "batch": args.batch,
+             **json.loads(done.stdout.splitlines()[-1])}
         with (out / "compile.jsonl").open("a") as f:
             f.write(json.dumps(r) + "\n")
         p, d = r["prefill"], r["decode"]
-        print(f"{name} ({flags or 'no flags'}), batch {args.batch}: prefill lower {p['lower_s']:.1f} s compile {p['compile_s']:.1f} s "
-              f"(Mosaic calls {p['mosaic_calls']}); decode lower {d['lower_s']:.1f} s compile {d['compile_s']:.1f} s "
+        print(f"{name} ({flags or 'no flags'}), batch {args.batch}: prefill lower {p['lower_s']:.1f} s "
+              f"compile {p['compile_s']:.1f} s (Mosaic calls {p['mosaic_calls']}); decode lower {d['lower_s']:.1f} s compile {d['compile_s']:.1f} s "
               f"(Mosaic calls {d['mosaic_calls']}); decode {r['decode_ms_per_step_ungated']:.3f} ms/step ungated",
               flush=True)
         for ev in d["host_events"][:15]:
