@@ -233,3 +233,21 @@ def test_gate_arguments_and_cli_errors(tmp_path):
                              timeout=120)
         assert out.returncode == 2 and match in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_free_device_memory_names_the_allocator_limit():
+    """On a GPU the free figure is the allocator's limit less what is in use, and the refusal says how
+    to raise the limit (a bf16 Nano fills an 80 GB card's default .75)."""
+    from nemoh.engine.memory import free_bytes
+
+    class Card:
+        def memory_stats(self):
+            return {"bytes_limit": 64 * 10**9, "bytes_in_use": 63 * 10**9}
+
+        def __str__(self):
+            return "cuda:0"
+
+    free, source = free_bytes(Card())
+    assert free == 10**9
+    assert source == ("cuda:0 memory_stats: 6.3e+10 of the allocator's 6.4e+10 bytes in use; "
+                      "XLA_PYTHON_CLIENT_MEM_FRACTION sets that limit, .75 of the card by default")
