@@ -171,10 +171,10 @@ def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> floa
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def bytes_per_step(params, batch: int, context: int) -> dict[str, float]:
-    """Bytes one decode step must move at least, by kind: weights (routed experts counted for the
-    expected distinct experts of `batch` tokens), Mamba states (read + write), KV pages read (`context`
-    tokens per sequence) and written."""
+def bytes_per_step(params, batch: int, context: int, distinct_experts: float | None = None) -> dict[str, float]:
+    """Bytes one decode step must move at least, by kind: weights (routed experts counted for
+    `distinct_experts` a MoE layer, by default the expected distinct experts of `batch` uniformly routed
+    tokens), Mamba states (read + write), KV pages read (`context` tokens per sequence) and written."""
     cfg = params.config
     weights = nbytes((params.norm_f, params.lm_head if params.lm_head is not None else params.embed))
     weights += batch * cfg.hidden_size * params.embed.dtype.itemsize
@@ -182,7 +182,9 @@ def bytes_per_step(params, batch: int, context: int) -> dict[str, float]:
     for kind, layer in zip(cfg.layer_kinds, params.layers):
         if kind == MOE:
             experts = nbytes((layer.experts_up, layer.experts_down))
-            frac = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) / cfg.n_routed_experts
+            if distinct_experts is None:
+                distinct_experts = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
+            frac = distinct_experts / cfg.n_routed_experts
             weights += nbytes(layer) - experts + frac * experts
         else:
             weights += nbytes(layer)

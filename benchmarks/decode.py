@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/decode.py [--layouts dense,NANO_FP8,NANO_NVFP4,MIXED]
         [--batches 1,8,32,64] [--prompt 128] [--steps 32] [--repeats 4] [--profile-batches 1]
-        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--no-gate] [--out DIR]
+        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--routing-steps 4] [--no-gate] [--out DIR]
 
 Per layout (dense, or a quantiser recipe: NANO_FP8 / NANO_NVFP4 are the official selective layouts):
 1. The token gate of benchmarks/checks.py (fp32, reduced depth, real widths, against transformers).
@@ -12,7 +12,10 @@ Per layout (dense, or a quantiser recipe: NANO_FP8 / NANO_NVFP4 are the official
    (compile), then `repeats` timed decode calls of `steps` steps: median ms per step, tok/s, bytes
    moved per step against the HBM ceiling measured in this run, peak device memory; with
    --profile-batches, a profiled decode call gives launches per step and the per-layer-kind split; with
-   --call-overhead, calls of 1 and 64 steps split a call's time into a fixed part and a part per step.
+   --call-overhead, calls of 1 and 64 steps split a call's time into a fixed part and a part per step;
+   above batch 1, --routing-steps probed steps (benchmarks/routing.py) count the distinct experts a MoE
+   layer reads per step, printed beside uniform routing's count with the HBM fraction for that count
+   (random weights may route a batch's rows alike, which makes its step cheaper than served text would).
 5. With --prefill-shapes, the prefill legs of benchmarks/prefill.py on the same params, under the same gate.
 Results: decode.jsonl (one JSON object per leg, appended as it completes) and decode-<layouts>.md in --out.
 """
@@ -31,10 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
-from benchmarks.common import (add_model_args, bytes_per_step, compile_seconds, describe_layout, hbm_ceiling_gbs,
-                               model_setup, parse_tilings, peak_memory_bytes, wall_s)
+from benchmarks.common import (add_model_args, bytes_per_step, compile_seconds, describe_layout,
+                               expected_distinct_experts, hbm_ceiling_gbs, model_setup, parse_tilings,
+                               peak_memory_bytes, wall_s)
 from benchmarks.prefill import parse_shapes, prefill_legs
 from benchmarks.profile import breakdown_table, profile_breakdown
+from benchmarks.routing import routed_experts
 from nemoh.engine.decode import _decode, decode
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import prefill
@@ -64,9 +69,10 @@ def call_overhead(params, carry) -> tuple[dict, object]:
 
 
 def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceiling: float, profile: bool,
-               overhead: bool = False) -> dict:
+               overhead: bool = False, routing_steps: int = 0) -> dict:
     cfg = params.config
-    max_new = steps * (repeats + 2) + 2 + (sum(n * calls for n, calls in OVERHEAD_CALLS) if overhead else 0)
+    max_new = (steps * (repeats + 2) + 2 + (sum(n * calls for n, calls in OVERHEAD_CALLS) if overhead else 0)
+               + routing_steps)
     prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=batch)]
     run_prefill = lambda: prefill(params, prompts, max_new_tokens=max_new, sampling=Sampling(), stop_ids=(),
                                   seed=0, cache=CacheSpec())
@@ -116,6 +122,12 @@ def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceilin
         carry = holder[0]
     if overhead:
         out["call_overhead"], carry = call_overhead(params, carry)
+    if batch > 1 and routing_steps:
+        routing, carry = routed_experts(params, carry, routing_steps)
+        routing["uniform"] = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
+        routed = bytes_per_step(params, batch, prompt + steps * (repeats + 1), routing["mean"])
+        out.update(routing=routing, bytes_per_step_routed=routed,
+                   hbm_fraction_routed=routed["total"] / step_s / (ceiling * 1e9))
     return out
 
 
@@ -132,6 +144,8 @@ def main() -> int:
     ap.add_argument("--prefill-shapes", default="", help="prefill legs (prompts x tokens) after the decode legs")
     ap.add_argument("--call-overhead", action="store_true",
                     help="also split a decode call's time into a fixed part and a part per step (1- and 64-step calls)")
+    ap.add_argument("--routing-steps", type=int, default=4,
+                    help="probed decode steps after a batch's timed calls, counting the experts it reads (0: none)")
     ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "tk=128,ctas_per_sm=8" '
                     "(default: each op's own choice)")
     add_model_args(ap)
@@ -159,7 +173,7 @@ def main() -> int:
         for b in batches:
             try:
                 r = time_batch(params, b, args.prompt, args.steps, args.repeats, ceiling, b in profile_batches,
-                               args.call_overhead)
+                               args.call_overhead, args.routing_steps)
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory at a large batch: report, go on
                 log(f"[{layout}] batch {b}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
                 continue
@@ -176,6 +190,9 @@ def main() -> int:
                     f"TTFT {r['ttft_s']:.3f} s, peak {r['peak_device_bytes'] / 2**30 if r['peak_device_bytes'] else 0:.1f} GiB"
                     + (", a call {fixed_ms_per_call:.2f} ms + {ms_per_step:.3f} ms a step".format(**r["call_overhead"])
                        if "call_overhead" in r else "")
+                    + (", routed experts {mean:.1f} a MoE layer and step (uniform routing: {uniform:.1f})".format(
+                        **r["routing"]) + f", {100 * r['hbm_fraction_routed']:.0f}% of HBM ceiling with them"
+                       if "routing" in r else "")
                     + (f", tiling {args.tiling}" if args.tiling else "") + f" | {gate_text} | {check}")
             log(line)
             md.append(line)

@@ -99,11 +99,16 @@ def test_decode_leg_reports_its_figures_and_splits_call_time():
     from benchmarks.decode import time_batch
 
     r = time_batch(random_params(CONFIG, "NANO_NVFP4"), 2, prompt=5, steps=2, repeats=2, ceiling=1.0, profile=False,
-                   overhead=True)
+                   overhead=True, routing_steps=2)
     assert r["steps_timed"] == 4 and r["tok_per_s"] > 0 and r["ms_per_token"] == r["ms_per_step"] / 2
     assert len(r["ms_per_step_by_call"]) == 2 and np.isclose(np.median(r["ms_per_step_by_call"]), r["ms_per_step"])
     assert r["decode_compile_s"] > 0 and r["prefill_compile_s"] > 0 and r["weight_bytes_per_token"] > 0
     assert r["call_overhead"]["ms_per_step"] > 0 and set(r["call_overhead"]) == {"fixed_ms_per_call", "ms_per_step"}
+    routing = r["routing"]  # 2 tokens of top-2 over 4 experts, 2 probed steps of one MoE layer
+    assert routing["tokens"] == 2 and routing["layer_steps"] == 2 and 2 <= routing["min"] <= routing["max"] <= 4
+    assert routing["uniform"] == 4 * (1 - 0.5**2)
+    routed_weights, uniform_weights = r["bytes_per_step_routed"]["weights"], r["bytes_per_step"]["weights"]
+    assert (routed_weights - uniform_weights) * (routing["mean"] - routing["uniform"]) >= 0
 
 
 def test_prefill_leg_warms_up_then_times():
@@ -258,3 +263,24 @@ def test_ssd_benchmark_compares_trees_against_the_recurrence():
         assert r["err_y"] < 1e-5 and r["err_state"] < 1e-5 and r["median_wall_us"] > 0
         assert r["device_us"] is None  # CUPTI is GPU only
         assert ssd_bench.line(r).startswith(f"{r['variant']} 2x20: ")
+
+
+def test_routing_probe_counts_the_experts_live_rows_select():
+    """benchmarks/routing.py: rows of one prompt route alike (k experts a MoE layer and step), rows of
+    different prompts to more; the probed steps produce the tokens plain decode does."""
+    from benchmarks.routing import routed_experts
+    from nemoh.engine.decode import decode
+    from nemoh.engine.kv_pages import CacheSpec
+    from nemoh.engine.prefill import prefill
+
+    cfg = NemotronHConfig.from_dict({**QUANTISABLE_WIDTHS, "hybrid_override_pattern": "ME*E", "n_routed_experts": 16,
+                                     "intermediate_size": 32})
+    params = random_params(cfg, "dense")
+    carry = lambda prompts: prefill(params, [np.asarray(p, np.int32) for p in prompts], max_new_tokens=8,
+                                    sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec())
+    alike, after = routed_experts(params, carry([[5, 6, 7, 8]] * 4), steps=3)
+    assert alike == {"mean": 2.0, "min": 2, "max": 2, "tokens": 4, "layer_steps": 6}
+    diverse, probed_carry = routed_experts(params, carry([[5, 6, 7, 8], [9, 3, 4], [11, 12], [20, 21, 22, 23, 24]]), 3)
+    assert diverse["max"] > 2 and diverse["tokens"] == 4 and diverse["layer_steps"] == 6
+    plain = decode(params, carry([[5, 6, 7, 8], [9, 3, 4], [11, 12], [20, 21, 22, 23, 24]]), 3)
+    np.testing.assert_array_equal(np.asarray(probed_carry.sequences), np.asarray(plain.sequences))
