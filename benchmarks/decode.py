@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/decode.py [--layouts dense,NANO_FP8,NANO_NVFP4,MIXED]
         [--batches 1,8,32,64] [--prompt 128] [--steps 32] [--repeats 4] [--profile-batches 1]
-        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--routing-steps 4] [--no-gate] [--out DIR]
+        [--prefill-shapes 1x2048,8x512] [--call-overhead] [--routing-steps 4] [--sampling SPEC] [--no-gate]
+        [--out DIR]
 
 Per layout (dense, or a quantiser recipe: NANO_FP8 / NANO_NVFP4 are the official selective layouts):
 1. The token gate of benchmarks/checks.py (fp32, reduced depth, real widths, against transformers).
@@ -15,7 +16,8 @@ Per layout (dense, or a quantiser recipe: NANO_FP8 / NANO_NVFP4 are the official
    --call-overhead, calls of 1 and 64 steps split a call's time into a fixed part and a part per step;
    above batch 1, --routing-steps probed steps (benchmarks/routing.py) count the distinct experts a MoE
    layer reads per step, printed beside uniform routing's count with the HBM fraction for that count
-   (random weights may route a batch's rows alike, which makes its step cheaper than served text would).
+   (random weights may route a batch's rows alike, which makes its step cheaper than served text would);
+   --sampling draws the tokens (e.g. "temperature=1.0") instead of taking the greedy ones.
 5. With --prefill-shapes, the prefill legs of benchmarks/prefill.py on the same params, under the same gate.
 Results: decode.jsonl (one JSON object per leg, appended as it completes) and decode-<layouts>.md in --out.
 """
@@ -35,8 +37,8 @@ import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import (add_model_args, bytes_per_step, compile_seconds, describe_layout,
-                               expected_distinct_experts, hbm_ceiling_gbs, model_setup, parse_tilings,
-                               peak_memory_bytes, wall_s)
+                               expected_distinct_experts, hbm_ceiling_gbs, model_setup, parse_sampling,
+                               parse_tilings, peak_memory_bytes, wall_s)
 from benchmarks.prefill import parse_shapes, prefill_legs
 from benchmarks.profile import breakdown_table, profile_breakdown
 from benchmarks.routing import routed_experts
@@ -69,12 +71,12 @@ def call_overhead(params, carry) -> tuple[dict, object]:
 
 
 def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceiling: float, profile: bool,
-               overhead: bool = False, routing_steps: int = 0) -> dict:
+               overhead: bool = False, routing_steps: int = 0, sampling: Sampling = Sampling()) -> dict:
     cfg = params.config
     max_new = (steps * (repeats + 2) + 2 + (sum(n * calls for n, calls in OVERHEAD_CALLS) if overhead else 0)
                + routing_steps)
     prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=batch)]
-    run_prefill = lambda: prefill(params, prompts, max_new_tokens=max_new, sampling=Sampling(), stop_ids=(),
+    run_prefill = lambda: prefill(params, prompts, max_new_tokens=max_new, sampling=sampling, stop_ids=(),
                                   seed=0, cache=CacheSpec())
     with compile_seconds() as compiled:  # the decode program compiles beside the first prefill call
         t0 = time.perf_counter()
@@ -146,6 +148,7 @@ def main() -> int:
                     help="also split a decode call's time into a fixed part and a part per step (1- and 64-step calls)")
     ap.add_argument("--routing-steps", type=int, default=4,
                     help="probed decode steps after a batch's timed calls, counting the experts it reads (0: none)")
+    ap.add_argument("--sampling", default="", help='decode tokens drawn, not greedy, e.g. "temperature=1.0"')
     ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "tk=128,ctas_per_sm=8" '
                     "(default: each op's own choice)")
     add_model_args(ap)
@@ -173,12 +176,12 @@ def main() -> int:
         for b in batches:
             try:
                 r = time_batch(params, b, args.prompt, args.steps, args.repeats, ceiling, b in profile_batches,
-                               args.call_overhead, args.routing_steps)
+                               args.call_overhead, args.routing_steps, parse_sampling(args.sampling))
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory at a large batch: report, go on
                 log(f"[{layout}] batch {b}: FAILED {type(exc).__name__}: {str(exc)[:400]}")
                 continue
             r.update(layout=layout, gate=gate_text, layer_check=errs, device=device, hbm_ceiling_gbs=ceiling,
-                     tiling=args.tiling or "default")
+                     tiling=args.tiling or "default", sampling=args.sampling or "greedy")
             with jsonl.open("a") as f:
                 f.write(json.dumps(r) + "\n")
             by_call = "/".join(f"{t:.2f}" for t in r["ms_per_step_by_call"])
@@ -193,7 +196,8 @@ def main() -> int:
                     + (", routed experts {mean:.1f} a MoE layer and step (uniform routing: {uniform:.1f})".format(
                         **r["routing"]) + f", {100 * r['hbm_fraction_routed']:.0f}% of HBM ceiling with them"
                        if "routing" in r else "")
-                    + (f", tiling {args.tiling}" if args.tiling else "") + f" | {gate_text} | {check}")
+                    + (f", tiling {args.tiling}" if args.tiling else "")
+                    + (f", sampling {args.sampling}" if args.sampling else "") + f" | {gate_text} | {check}")
             log(line)
             md.append(line)
             if "profile" in r:

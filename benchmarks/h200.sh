@@ -10,6 +10,8 @@
 #   bash benchmarks/h200.sh prefill-targets  # prefill of one 2,048-token prompt, NANO_NVFP4 then bf16, each gated
 #                                     # in its own process (the prefill targets alone, in one call)
 #   bash benchmarks/h200.sh fp8       # NANO_FP8 and MIXED: gate, decode batches 1,32
+#   bash benchmarks/h200.sh routing [LAYOUT]  # batch-32 decode, ungated, greedy then sampled (temperature 1),
+#                                     # each in its own process with the routed-experts count (default: dense)
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
@@ -83,6 +85,11 @@ case "${1:-}" in
   fp8) for layout in NANO_FP8 MIXED; do
          leg 280 benchmarks/decode.py --layouts "$layout" --batches 1,32 --profile-batches "" --steps 32 --repeats 2
        done ;;
+  routing) # whether a batch's rows route alike (random weights) under greedy and under sampled tokens
+    for sampling in "" temperature=1.0; do
+      leg 280 benchmarks/decode.py --layouts "${2:-dense}" --batches 32 --profile-batches "" --steps 32 --repeats 2 \
+        --no-gate ${sampling:+--sampling $sampling}
+    done ;;
   overhead) # a decode call's fixed cost against its cost per step, with XLA's command buffers (CUDA graphs) and without
     for flags in "" "--xla_gpu_enable_command_buffer="; do
       echo "== XLA_FLAGS=$flags"

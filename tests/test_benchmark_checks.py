@@ -111,6 +111,22 @@ def test_decode_leg_reports_its_figures_and_splits_call_time():
     assert (routed_weights - uniform_weights) * (routing["mean"] - routing["uniform"]) >= 0
 
 
+def test_decode_leg_draws_with_the_sampling_it_is_given(monkeypatch):
+    import benchmarks.decode as decode_benchmark
+
+    seen = []
+
+    def prefill(params, prompts, **kw):
+        seen.append(kw["sampling"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(decode_benchmark, "prefill", prefill)
+    with pytest.raises(RuntimeError, match="stop here"):
+        decode_benchmark.time_batch(random_params(CONFIG, "dense"), 2, prompt=5, steps=2, repeats=1, ceiling=1.0,
+                                    profile=False, sampling=parse_sampling("temperature=1.0"))
+    assert seen == [Sampling(temperature=1.0)]
+
+
 def test_prefill_leg_warms_up_then_times():
     from benchmarks import prefill as prefill_benchmark
 
