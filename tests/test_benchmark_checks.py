@@ -1,8 +1,8 @@
 """benchmarks/checks.py's per-layer check (every layer kind and the lm_head, for a dense and an NVFP4 model:
 tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding; its
 fp32 reference moving to the host when the device is full), its margin check's perturbation, the HBM
-ceiling and tiling parser of benchmarks/common.py, the sampler benchmark's check and the SSD benchmark's
-comparison of trees."""
+ceiling and tiling parser of benchmarks/common.py, the sampler benchmark's check, the SSD benchmark's
+comparison of trees, and decode.py's count of the experts a batch step reads (benchmarks/routing.py)."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ def test_routing_probe_counts_the_experts_live_rows_select():
     params = random_params(cfg, "dense")
     carry = lambda prompts: prefill(params, [np.asarray(p, np.int32) for p in prompts], max_new_tokens=8,
                                     sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec())
-    alike, after = routed_experts(params, carry([[5, 6, 7, 8]] * 4), steps=3)
+    alike, _ = routed_experts(params, carry([[5, 6, 7, 8]] * 4), steps=3)
     assert alike == {"mean": 2.0, "min": 2, "max": 2, "tokens": 4, "layer_steps": 6}
     diverse, probed_carry = routed_experts(params, carry([[5, 6, 7, 8], [9, 3, 4], [11, 12], [20, 21, 22, 23, 24]]), 3)
     assert diverse["max"] > 2 and diverse["tokens"] == 4 and diverse["layer_steps"] == 6
