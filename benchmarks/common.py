@@ -176,16 +176,15 @@ def bytes_per_step(params, batch: int, context: int, distinct_experts: float | N
     `distinct_experts` a MoE layer, by default the expected distinct experts of `batch` uniformly routed
     tokens), Mamba states (read + write), KV pages read (`context` tokens per sequence) and written."""
     cfg = params.config
+    if distinct_experts is None:
+        distinct_experts = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
     weights = nbytes((params.norm_f, params.lm_head if params.lm_head is not None else params.embed))
     weights += batch * cfg.hidden_size * params.embed.dtype.itemsize
     states = kv = 0.0
     for kind, layer in zip(cfg.layer_kinds, params.layers):
         if kind == MOE:
             experts = nbytes((layer.experts_up, layer.experts_down))
-            if distinct_experts is None:
-                distinct_experts = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
-            frac = distinct_experts / cfg.n_routed_experts
-            weights += nbytes(layer) - experts + frac * experts
+            weights += nbytes(layer) - experts + distinct_experts / cfg.n_routed_experts * experts
         else:
             weights += nbytes(layer)
         if kind == MAMBA:

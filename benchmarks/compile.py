@@ -207,8 +207,9 @@ def main() -> int:
             f.write(json.dumps(r) + "\n")
         p, d = r["prefill"], r["decode"]
         print(f"{name} ({flags or 'no flags'}), batch {args.batch}: prefill lower {p['lower_s']:.1f} s "
-              f"compile {p['compile_s']:.1f} s (Mosaic calls {p['mosaic_calls']}); decode lower {d['lower_s']:.1f} s compile {d['compile_s']:.1f} s "
-              f"(Mosaic calls {d['mosaic_calls']}); decode {r['decode_ms_per_step_ungated']:.3f} ms/step ungated",
+              f"compile {p['compile_s']:.1f} s (Mosaic calls {p['mosaic_calls']}); decode lower {d['lower_s']:.1f} s "
+              f"compile {d['compile_s']:.1f} s (Mosaic calls {d['mosaic_calls']}); "
+              f"decode {r['decode_ms_per_step_ungated']:.3f} ms/step ungated",
               flush=True)
         for ev in d["host_events"][:15]:
             print(f"    {ev['s']:8.2f} s  x{ev['count']:<6} {ev['event'][:110]}", flush=True)
