@@ -1,5 +1,5 @@
-"""nemoh.random_params: the loader's params structure in every quantiser layout, finite O(1) outputs,
-deterministic per tensor name; and pallas_kernels stays a leaf package."""
+"""nemoh.random_params: the loader's params structure in every quantiser layout, one value law across
+layouts, finite O(1) outputs, deterministic per tensor name; and pallas_kernels stays a leaf package."""
 
 from __future__ import annotations
 
@@ -71,6 +71,19 @@ def test_values_depend_on_seed_and_name_only():
     w = a.layers[1].experts_up
     assert isinstance(w, NVFP4Weight) and w.shape == (4, 32, 64)
     assert not np.array_equal(np.asarray(w.packed[0]), np.asarray(w.packed[1]))  # experts differ
+
+
+def test_every_layout_holds_the_nvfp4_values():
+    """Dense projections are the NVFP4 layout's values dequantised (exact in float32), FP8 ones those values
+    rounded to e4m3 (relative error <= 2**-4), each with standard deviation ~1/sqrt(in)."""
+    quantized = {layout: nemoh.random_params(CFG, layout, dtype=jnp.float32, seed=4) for layout in ("NVFP4", "FP8")}
+    dense = nemoh.random_params(CFG, "dense", dtype=jnp.float32, seed=4)
+    for field in ("experts_up", "shared_up"):
+        want = np.asarray(getattr(quantized["NVFP4"].layers[1], field).dequantize())
+        np.testing.assert_array_equal(np.asarray(getattr(dense.layers[1], field)), want)
+        fp8 = np.asarray(getattr(quantized["FP8"].layers[1], field).dequantize())
+        np.testing.assert_allclose(fp8, want, rtol=2.0**-4, atol=0)
+        assert 0.8 < want.std() * np.sqrt(want.shape[-1]) < 1.2
 
 
 def test_fp8_layout_scales_are_per_expert():
