@@ -98,7 +98,9 @@ def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceilin
         jax.block_until_ready(carry.tokens)
         per_step.append((time.perf_counter() - t0) / steps)
     step_s = statistics.median(per_step)
-    moved = bytes_per_step(params, batch, prompt + steps * (repeats + 1))
+    context = prompt + steps * (repeats + 1)  # tokens a row holds by the last timed step
+    hbm_fraction = lambda moved: moved["total"] / step_s / (ceiling * 1e9)
+    moved = bytes_per_step(params, batch, context)
     out = {
         "batch": batch, "prompt": prompt, "steps_timed": steps * repeats,
         "ms_per_step": 1e3 * step_s, "s_per_token": step_s / batch, "ms_per_token": 1e3 * step_s / batch,
@@ -109,7 +111,7 @@ def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceilin
         "first_calls_s": prefill_first + decode_first - step_s * steps, "ttft_s": ttft,
         "peak_device_bytes": peak_memory_bytes(),
         "bytes_per_step": moved, "weight_bytes_per_token": moved["weights"] / batch,
-        "hbm_fraction": moved["total"] / step_s / (ceiling * 1e9),
+        "hbm_fraction": hbm_fraction(moved),
     }
     if profile:
         hlo = _decode.lower(params, carry, np.int32(steps)).compile().as_text()
@@ -127,9 +129,8 @@ def time_batch(params, batch: int, prompt: int, steps: int, repeats: int, ceilin
     if batch > 1 and routing_steps:
         routing, carry = routed_experts(params, carry, routing_steps)
         routing["uniform"] = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
-        routed = bytes_per_step(params, batch, prompt + steps * (repeats + 1), routing["mean"])
-        out.update(routing=routing, bytes_per_step_routed=routed,
-                   hbm_fraction_routed=routed["total"] / step_s / (ceiling * 1e9))
+        routed = bytes_per_step(params, batch, context, routing["mean"])
+        out.update(routing=routing, bytes_per_step_routed=routed, hbm_fraction_routed=hbm_fraction(routed))
     return out
 
 
