@@ -221,3 +221,18 @@ def test_routing_top_k_ranks_decode_batches_and_sorts_prefill_chunks():
         assert ("top_k" in primitives) == expect_sort, tokens
         got, want = moe.top_k(x, 6), jax.lax.top_k(x, 6)
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_router_logits_reduce_decode_batches_and_multiply_prefill_chunks():
+    """Router logits are full float32 products either way: a decode batch's as one multiply-and-sum
+    reduction (no float32 GEMM launch), a long prefill chunk's as a dot; both against float64 products."""
+    from nemoh.layers import moe
+
+    rng = np.random.default_rng(5)
+    router = jnp.asarray(rng.normal(size=(128, 2688)) / 50, jnp.bfloat16)
+    for tokens, expect_dot in ((moe.ROUTER_REDUCE_TOKENS, False), (moe.ROUTER_REDUCE_TOKENS + 1, True)):
+        x = jnp.asarray(rng.normal(size=(tokens, 2688)), jnp.bfloat16)
+        primitives = str(jax.make_jaxpr(moe.router_logits)(x, router))
+        assert ("dot_general" in primitives) == expect_dot, tokens
+        want = np.asarray(x, np.float64) @ np.asarray(router, np.float64).T
+        np.testing.assert_allclose(np.asarray(moe.router_logits(x, router)), want, rtol=0, atol=2e-5)
