@@ -43,6 +43,9 @@
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
 #                                     # order, batches 1 and 32, op by op and as CUDA graphs (benchmarks/step_trace.py),
 #                                     # and the GEMV's fixed cost
+#   bash benchmarks/h200.sh prefill-trace [LAYOUT]  # one prefill call of a 2,048-token prompt at Nano widths, layers
+#                                     # MEM*E, launch by launch with the idle gaps summed and the largest named, op by
+#                                     # op and as CUDA graphs (benchmarks/step_trace.py --prefill; default: dense)
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
 #   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
 #                                     # 13-layer batch-1 decode, this tree and one extracted to _old
@@ -146,6 +149,9 @@ case "${1:-}" in
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \
       --tilings "$CANDIDATE_TILINGS" ;;
+  prefill-trace) for graphs in "" --graphs; do
+                   leg 250 benchmarks/step_trace.py --layout "${2:-dense}" --pattern "MEM*E" --prefill 1x2048 $graphs
+                 done ;;
   trace) for b in 1 32; do for graphs in "" --graphs; do
            leg 170 benchmarks/step_trace.py --batch $b ${2:+--tiling "$2"} $graphs
          done; done

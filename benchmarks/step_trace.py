@@ -1,15 +1,18 @@
-"""One decode step, kernel by kernel: each launch in order with its device time, the idle gap before it,
-its layer scope and the HLO ops XLA fused into it. Where the per-kind breakdown of benchmarks/profile.py
-says how much, this says which launches to remove.
+"""One decode step (or one prefill call), kernel by kernel: each launch in order with its device time, the
+idle gap before it, its layer scope and the HLO ops XLA fused into it. Where the per-kind breakdown of
+benchmarks/profile.py says how much, this says which launches to remove and where the GPU waits.
 
     PYTHONPATH=. python3 benchmarks/step_trace.py [--layout NANO_NVFP4] [--pattern MEME] [--batch 1]
-        [--steps 8] [--tiling "bf16_operands=false"] [--graphs] [--out DIR]
+        [--steps 8] [--prefill ROWSxTOKENS] [--tiling "bf16_operands=false"] [--graphs] [--out DIR]
 
 Random params at Nano widths with the given (short) layer pattern, built on the device; a profiled
-decode call of `steps` steps; the launches of its middle step are printed and written to
-step-trace-<layout>-b<batch>.txt in --out, beside the compiled decode program's HLO text. Ungated: a
-diagnostic, not a speed result. Under a profiler XLA launches a program's kernels one by one unless
-told otherwise; --graphs keeps its CUDA graphs, so the trace shows the execution that timed calls get.
+decode call of `steps` steps, whose middle step's launches are printed and written to
+step-trace-<layout>-b<batch>.txt in --out, beside the compiled program's HLO text; with --prefill (e.g.
+1x2048) every launch of one prefill call of that many prompts and tokens instead
+(step-trace-<layout>-prefill<ROWSxTOKENS>.txt). The report ends with the idle time between launches by
+gap size and the largest gaps with the launches around them. Ungated: a diagnostic, not a speed result.
+Under a profiler XLA launches a program's kernels one by one unless told otherwise; --graphs keeps its
+CUDA graphs, so the trace shows the execution that timed calls get.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import numpy as np
 
 from benchmarks.common import nano_config, parse_tilings
 from benchmarks.profile import _norm, attribute, kernel_events
-from nemoh.engine.decode import _decode, decode
+from benchmarks.prefill import NEW_TOKENS, parse_shapes
+from nemoh.engine.decode import _decode, decode, finish_compiling
 from nemoh.engine.kv_pages import CacheSpec
-from nemoh.engine.prefill import prefill
+from nemoh.engine.prefill import _prefill, prefill, prefill_program
 from nemoh.engine.sampling import Sampling
 from nemoh.gate import default_prompts
 from nemoh.random_params import random_params
@@ -92,6 +96,47 @@ def trace(params, batch: int, steps: int, prompt: int = 64):
     return middle, scopes, hlo
 
 
+def trace_prefill(params, rows: int, tokens: int):
+    """(events of one prefill call of `rows` prompts of `tokens` tokens in launch order, scopes, the compiled
+    prefill HLO text), after two untimed calls (the first compiles; the decode program it starts compiling
+    is finished before the profiled call)."""
+    prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [tokens] * rows, seed=rows)]
+    kw = dict(max_new_tokens=NEW_TOKENS, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(),
+              prefill_chunk=None, mesh=None, rules=None)
+    run = lambda: jax.block_until_ready(prefill(params, prompts, **kw).tokens)
+    p, x, static = prefill_program(params, prompts, **kw)
+    hlo = _prefill.lower(p, x, **static).compile().as_text()
+    for _ in range(2):
+        run()
+    finish_compiling()
+    events, _ = kernel_events(run)
+    scopes, _ = attribute(events, hlo)
+    return events, scopes, hlo
+
+
+GAP_BINS_US = (5, 50)  # idle gaps summed under, between and over these bounds
+LARGEST_GAPS = 12
+
+
+def gap_summary(events, scopes) -> list[str]:
+    """Idle time between consecutive launches by gap size, and the largest gaps with the launches either side
+    (which op the GPU waited after: a device-to-host copy, a loop's predicate, a conditional)."""
+    gaps = []
+    for i in range(1, len(events)):
+        prev_end = events[i - 1][2] + events[i - 1][1]
+        gaps.append(((events[i][2] - prev_end) / 1e3, i))
+    low, high = GAP_BINS_US
+    bins = [sum(g for g, _ in gaps if g > 0 and g < low), sum(g for g, _ in gaps if low <= g < high),
+            sum(g for g, _ in gaps if g >= high)]
+    lines = ["", f"idle between launches: under {low} µs {bins[0]:.1f} µs, {low}-{high} µs {bins[1]:.1f} µs "
+             f"({sum(low <= g < high for g, _ in gaps)} gaps), over {high} µs {bins[2]:.1f} µs "
+             f"({sum(g >= high for g, _ in gaps)} gaps)", "", "| gap µs | after # (scope: kernel) | before # (scope: kernel) |",
+             "|---|---|---|"]
+    for g, i in sorted(gaps, reverse=True)[:LARGEST_GAPS]:
+        lines.append(f"| {g:.1f} | {i - 1} ({scopes[i - 1]}: {events[i - 1][0][:40]}) | {i} ({scopes[i]}: {events[i][0][:40]}) |")
+    return lines
+
+
 def report(events, scopes, hlo: str) -> str:
     ops = fused_ops(hlo)
     lines = [f"{len(events)} launches, {sum(e[1] for e in events) / 1e3:.1f} µs of kernels, "
@@ -105,7 +150,7 @@ def report(events, scopes, hlo: str) -> str:
         lines.append(f"| {i} | {scope} | {name[:48]} | {dur / 1e3:.1f} | {gap} | {what} |")
     by_scope = collections.Counter(scopes)
     lines += ["", "launches by scope: " + ", ".join(f"{k} {v}" for k, v in by_scope.most_common())]
-    return "\n".join(lines)
+    return "\n".join(lines + (gap_summary(events, scopes) if len(events) > 1 else []))
 
 
 def main() -> int:
@@ -114,6 +159,7 @@ def main() -> int:
     ap.add_argument("--pattern", default="MEME")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prefill", default="", help="trace one prefill call of ROWSxTOKENS (e.g. 1x2048) instead of decode")
     ap.add_argument("--tiling", default="", help='kernel tiling for every Pallas op, e.g. "bf16_operands=false"')
     ap.add_argument("--graphs", action="store_true",
                     help="keep XLA's command buffers (CUDA graphs) under the profiler, as timed calls run; XLA "
@@ -126,20 +172,25 @@ def main() -> int:
         (_blocked.DEFAULT_TILING,) = parse_tilings(args.tiling)
     cfg = nano_config(args.pattern)
     params = random_params(cfg, args.layout, dtype=jnp.bfloat16)
-    events, scopes, hlo = trace(params, args.batch, args.steps)
+    if args.prefill:
+        ((rows, tokens),) = parse_shapes(args.prefill)
+        events, scopes, hlo = trace_prefill(params, rows, tokens)
+        what, name = f"prefill {args.prefill}", f"{args.layout}-prefill{args.prefill}"
+    else:
+        events, scopes, hlo = trace(params, args.batch, args.steps)
+        what, name = f"decode batch {args.batch}", f"{args.layout}-b{args.batch}"
     text = report(events, scopes, hlo)
-    print(f"{jax.devices()[0].device_kind} | {args.layout} {args.pattern} batch {args.batch} | tiling "
+    print(f"{jax.devices()[0].device_kind} | {args.layout} {args.pattern} {what} | tiling "
           f"{args.tiling or 'default'} | {'CUDA graphs' if args.graphs else 'op by op (XLA under a profiler)'}")
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{args.layout}-b{args.batch}"
     if args.tiling:
         name += "-" + args.tiling.replace("=", "").replace(",", "-")
     if args.graphs:
         name += "-graphs"
     (out / f"step-trace-{name}.txt").write_text(text + "\n")
-    (out / f"decode-hlo-{name}.txt").write_text(hlo)
+    (out / f"hlo-{name}.txt").write_text(hlo)
     return 0
 
 

@@ -56,3 +56,20 @@ def test_step_trace_names_what_each_fusion_holds():
     assert table.startswith("2 launches, 6.5 µs of kernels, 7.0 µs first start to last end")
     assert f"| 0 | glue | {fusion} | 1.5 |  | {ops[fusion]} |" in table
     assert f"| 1 | mamba | {MOSAIC} | 5.0 | 0.5 | grid 4,1,161 |" in table
+
+
+def test_step_trace_sums_idle_gaps_by_size_and_names_the_largest():
+    """The trace's closing summary: idle time between launches under 5, 5-50 and over 50 µs, and the largest
+    gaps with the launches either side (where a prefill call or a decode step waits)."""
+    from benchmarks.step_trace import gap_summary
+
+    us = 1e3  # events are in ns
+    events = [("a", 1 * us, 0.0, None, "s"), ("MemcpyD2H", 1 * us, 3 * us, None, "s"),  # gap 2
+              ("b", 1 * us, 84 * us, None, "s"),  # gap 80 after the copy
+              ("c", 1 * us, 95 * us, None, "s"), ("d", 1 * us, 96 * us, None, "s")]  # gaps 10, 0
+    lines = gap_summary(events, ["glue", "glue", "mamba", "mamba", "moe"])
+    assert lines[1] == "idle between launches: under 5 µs 2.0 µs, 5-50 µs 10.0 µs (1 gaps), over 50 µs 80.0 µs (1 gaps)"
+    rows = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert rows[0] == "| 80.0 | 1 (glue: MemcpyD2H) | 2 (mamba: b) |"
+    assert rows[1] == "| 10.0 | 2 (mamba: b) | 3 (mamba: c) |"
+    assert len(rows) == 4
