@@ -40,7 +40,7 @@ import numpy as np
 
 from benchmarks.checks import gate_line, layer_check_line, log
 from benchmarks.common import add_model_args, model_setup, parse_sampling, parse_tilings, parse_xla_options
-from benchmarks.prefill import parse_shapes
+from benchmarks.prefill import parse_shapes, prefill_request
 from nemoh.engine.decode import _decode, finish_compiling
 from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import _prefill, prefill, prefill_program
@@ -138,9 +138,7 @@ def compare_batch(params, variants: dict, batch: int, prompt: int, steps: int, r
 def compare_prefill(params, variants: dict, rows: int, tokens: int, rounds: int) -> dict:
     """Per variant: prompt tokens per second (median over rounds) and the ratio of its call time to A's;
     whether its first token of every row equals A's."""
-    prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [tokens] * rows, seed=rows)]
-    kw = dict(max_new_tokens=16, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(), prefill_chunk=None,
-              mesh=None, rules=None)
+    prompts, kw = prefill_request(params, rows, tokens)
     p, x, static = prefill_program(params, prompts, **kw)
     programs = {name: v.compile(lambda: _prefill.lower(p, x, **static)) for name, v in variants.items()}
     firsts = {}

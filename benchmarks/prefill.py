@@ -38,10 +38,22 @@ from nemoh.random_params import random_params
 NEW_TOKENS = 16  # the request's decode budget: sizes the KV pool, as a real request would
 
 
-def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> dict:
+def prefill_request(params, rows: int, tokens: int) -> tuple[list[np.ndarray], dict]:
+    """The benchmarks' prefill request: (`rows` random prompts of `tokens` tokens, prefill's keyword arguments:
+    greedy, NEW_TOKENS to decode, the default cache and chunk, no mesh)."""
     prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [tokens] * rows, seed=rows)]
-    kw = dict(max_new_tokens=NEW_TOKENS, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(),
-              prefill_chunk=None, mesh=None, rules=None)
+    return prompts, dict(max_new_tokens=NEW_TOKENS, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(),
+                         prefill_chunk=None, mesh=None, rules=None)
+
+
+def prefill_hlo(params, prompts, kw: dict) -> str:
+    """The compiled prefill program's HLO text for that request (for a profile's attribution)."""
+    p, x, static = prefill_program(params, prompts, **kw)
+    return _prefill.lower(p, x, **static).compile().as_text()
+
+
+def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> dict:
+    prompts, kw = prefill_request(params, rows, tokens)
     run = lambda: jax.block_until_ready(prefill(params, prompts, **kw).tokens)
     with compile_seconds() as compiled:
         t0 = time.perf_counter()
@@ -54,9 +66,7 @@ def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> d
            "tok_per_s": rows * tokens / call_s, "first_call_s": first, "compile_s": compiled["_prefill"],
            "peak_device_bytes": peak_memory_bytes()}
     if profile:
-        p, x, static = prefill_program(params, prompts, **kw)
-        hlo = _prefill.lower(p, x, **static).compile().as_text()
-        out["profile"] = profile_breakdown(run, hlo, 1)
+        out["profile"] = profile_breakdown(run, prefill_hlo(params, prompts, kw), 1)
         out["kernel_launches"] = out["profile"]["kernels"]
     return out
 

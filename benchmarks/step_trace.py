@@ -30,10 +30,10 @@ import numpy as np
 
 from benchmarks.common import nano_config, parse_tilings
 from benchmarks.profile import _norm, attribute, kernel_events
-from benchmarks.prefill import NEW_TOKENS, parse_shapes
+from benchmarks.prefill import parse_shapes, prefill_hlo, prefill_request
 from nemoh.engine.decode import _decode, decode, finish_compiling
 from nemoh.engine.kv_pages import CacheSpec
-from nemoh.engine.prefill import _prefill, prefill, prefill_program
+from nemoh.engine.prefill import prefill
 from nemoh.engine.sampling import Sampling
 from nemoh.gate import default_prompts
 from nemoh.random_params import random_params
@@ -100,12 +100,9 @@ def trace_prefill(params, rows: int, tokens: int):
     """(events of one prefill call of `rows` prompts of `tokens` tokens in launch order, scopes, the compiled
     prefill HLO text), after two untimed calls (the first compiles; the decode program it starts compiling
     is finished before the profiled call)."""
-    prompts = [np.asarray(p, np.int32) for p in default_prompts(params.config, [tokens] * rows, seed=rows)]
-    kw = dict(max_new_tokens=NEW_TOKENS, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec(),
-              prefill_chunk=None, mesh=None, rules=None)
+    prompts, kw = prefill_request(params, rows, tokens)
     run = lambda: jax.block_until_ready(prefill(params, prompts, **kw).tokens)
-    p, x, static = prefill_program(params, prompts, **kw)
-    hlo = _prefill.lower(p, x, **static).compile().as_text()
+    hlo = prefill_hlo(params, prompts, kw)
     for _ in range(2):
         run()
     finish_compiling()
