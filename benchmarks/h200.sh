@@ -31,8 +31,8 @@
 #                                     # others (default: split-K for 4 CTAs per SM at decode, the earlier
 #                                     # default) in one process, calls interleaved, every variant gated
 #                                     # (benchmarks/ab.py)
-#   bash benchmarks/h200.sh prefill-variants [TILINGS]  # the same for prefill 1x2048 and 8x512 (default:
-#                                     # two weight tiles a CTA, 128-row MoE expert blocks)
+#   bash benchmarks/h200.sh prefill-variants [TILINGS] [LAYOUT]  # the same for prefill 1x2048 and 8x512
+#                                     # (default: two weight tiles a CTA, 128-row MoE expert blocks; NANO_NVFP4)
 #   bash benchmarks/h200.sh xla-variants [SETS] [SAMPLING]  # NANO_NVFP4 decode batches 1,32: XLA options compiled
 #                                     # into the decode program against the engine's own, in one process
 #                                     # (default: $CANDIDATE_XLA, none now: name SETS); greedy,
@@ -40,6 +40,8 @@
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
 #   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
+#   bash benchmarks/h200.sh prefill-experts [TILINGS]  # bf16 MoE experts of a 2,048-token chunk alone, default
+#                                     # tiling against TILINGS (default: $CANDIDATE_DENSE_PREFILL)
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
 #                                     # order, batches 1 and 32, op by op and as CUDA graphs (benchmarks/step_trace.py),
 #                                     # and the GEMV's fixed cost
@@ -71,6 +73,10 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="decode_ctas_per_sm=4"
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
+# dense (bf16) experts at prefill: wgmmas left in flight, token rows on the wgmma M side, both, both with
+# 128-row blocks, and jax's grouped GEMM (ragged_dot_mgpu)
+CANDIDATE_DENSE_PREFILL="dense_overlap=true;dense_rows_as_m=true;dense_overlap=true,dense_rows_as_m=true"
+CANDIDATE_DENSE_PREFILL+=";dense_overlap=true,dense_rows_as_m=true,moe_block_rows=128;grouped_dense=true"
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
 # adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)
@@ -140,7 +146,7 @@ case "${1:-}" in
     leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
       --tilings "${2:-$CANDIDATE_TILINGS}" ;;
   prefill-variants) # the same for prefill: one prompt of 2,048 tokens and 8 of 512
-    leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches "" --prefill-shapes 1x2048,8x512 \
+    leg 560 benchmarks/ab.py --layout "${3:-NANO_NVFP4}" --batches "" --prefill-shapes 1x2048,8x512 \
       --tilings "${2:-$CANDIDATE_PREFILL_TILINGS}" --rounds 6 ;;
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
                   --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
@@ -149,6 +155,7 @@ case "${1:-}" in
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \
       --tilings "$CANDIDATE_TILINGS" ;;
+  prefill-experts) leg 300 benchmarks/kernels.py --only moe2048 --formats bf16 --tilings "${2:-$CANDIDATE_DENSE_PREFILL}" ;;
   prefill-trace) for graphs in "" --graphs; do
                    leg 250 benchmarks/step_trace.py --layout "${2:-dense}" --pattern "MEM*E" --prefill 1x2048 $graphs
                  done ;;

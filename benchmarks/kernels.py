@@ -4,6 +4,8 @@ Run on the GPU machine:  PYTHONPATH=. python3 benchmarks/kernels.py [--sweep] [-
 Cases: NVFP4 / FP8 / bf16 GEMV 2688 -> 10304 (mamba in_proj) at M=1, the same as a prefill GEMM at M=512,
 and MoE decode (1 token, 6 of 128 experts, 2688 -> 1856 -> 2688; and 32 tokens, a batch-32 step, which
 reads most experts once) with bf16 / FP8 / NVFP4 experts; the MoE floor counts the experts selected.
+--only moe2048: the same experts for the 2,048 tokens of a prompt chunk (prefill: compute-bound, so the
+row notes TFLOP/s; e.g. --formats bf16 --tilings "dense_overlap=true,dense_rows_as_m=true").
 --only scaling: the M=1 GEMV for growing N, fitted to kernel µs = fixed cost + bytes / rate.
 --only splits: each weight kernel of a batch-1 Mamba + MoE layer pair under split-K plans for 2..16 CTAs
 per SM (Tiling.decode_ctas_per_sm).
@@ -34,6 +36,7 @@ from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, is_quantized, lin
 from pallas_kernels._blocked import TN, Tiling, _plan, blocked_linear, default_tk, row_blocks
 
 HIDDEN, IN_PROJ, EXPERTS, TOPK, FFN = 2688, 10304, 128, 6, 1856
+PREFILL_TOKENS = 2048  # --only moe2048: the MoE experts of one prompt chunk
 D_INNER, SHARED_FFN = 4096, 3712  # Mamba out_proj input, shared expert width
 IMPL = "pallas"
 CEILING_ELEMS = 1 << 30  # 2 GiB of bf16 for the HBM ceiling
@@ -167,9 +170,10 @@ def moe_case_inputs(key, copies, tokens):
 
 
 def run_moe(key, sweep, rows, tokens, formats):
-    """moe_experts for `tokens` tokens (1: batch-1 decode; 32: a batch-32 step, which touches most experts)
-    against ragged_dot and the XLA reference, per weight format."""
-    copies = 8 if tokens == 1 else 4
+    """moe_experts for `tokens` tokens (1: batch-1 decode; 32: a batch-32 step, which touches most experts;
+    PREFILL_TOKENS: a prompt's chunk, compute-bound, where the row notes its TFLOP/s) against ragged_dot and
+    the XLA reference, per weight format."""
+    copies = {1: 8, 32: 4}.get(tokens, 2)
     x, sel = moe_case_inputs(key, copies, tokens)
     ragged_up = rand_dense(jax.random.fold_in(key, 7), (EXPERTS,), HIDDEN, FFN)  # [E, K, N] layout
     ragged_down = rand_dense(jax.random.fold_in(key, 8), (EXPERTS,), FFN, HIDDEN)
@@ -215,7 +219,10 @@ def run_moe(key, sweep, rows, tokens, formats):
             if err < MAX_REL_ERR and (best is None or us < best[1]):
                 best = (t, us, err, k_us)
         name = f"moe_experts {fmt} T={tokens} top{TOPK}/{EXPERTS} {HIDDEN}->{FFN}->{HIDDEN}"
-        rows.append(row(name, best, floor_bytes, xla_us, extra=f"ragged_dot bf16 all experts {ragged_us:.1f} us"))
+        extra = f"ragged_dot bf16 all experts {ragged_us:.1f} us"
+        if best and tokens >= PREFILL_TOKENS:
+            extra += f"; {2 * tokens * TOPK * 2 * HIDDEN * FFN / best[1] / 1e6:.0f} TFLOP/s"
+        rows.append(row(name, best, floor_bytes, xla_us, extra=extra))
         del up, down
 
 
@@ -353,14 +360,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time alternative tilings")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for kernels.md")
-    parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32,scaling,splits")
+    parser.add_argument("--only", default="", help="comma list: matmul,moe (both below),moe1,moe32,moe2048,scaling,"
+                                                   "splits")
     parser.add_argument("--formats", default="bf16,fp8,nvfp4", help="comma list of weight formats")
     parser.add_argument("--tilings", default="", help='tilings to time besides the default, e.g. "tk=128;ctas_per_sm=8"')
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check)")
     args = parser.parse_args()
     if args.smoke:
         global HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS, SCALING_N, SCALING_BYTES, D_INNER, SHARED_FFN
+        global PREFILL_TOKENS
         HIDDEN, IN_PROJ, EXPERTS, FFN, IMPL, CEILING_ELEMS = 128, 128, 8, 64, "interpret", 1 << 20
+        PREFILL_TOKENS = 96
         D_INNER, SHARED_FFN = 128, 128
         SCALING_N, SCALING_BYTES = (64, 128), 1 << 14
     EXTRA_TILINGS[:] = parse_tilings(args.tilings)
@@ -380,8 +390,8 @@ def main():
         run_scaling(key, formats)
     if "splits" in only:
         run_splits(key, formats)
-    for tokens in (1, 32):
-        if f"moe{tokens}" in only or "moe" in only:
+    for tokens in (1, 32, PREFILL_TOKENS):
+        if f"moe{tokens}" in only or ("moe" in only and tokens < PREFILL_TOKENS):
             run_moe(key, args.sweep, rows, tokens, formats)
     text = table(rows, device, ceiling)
     print(text)

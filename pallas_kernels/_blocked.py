@@ -54,7 +54,13 @@ class Tiling:
     reads (64 rows: 128 bytes per K element against the NVFP4 tile's 36). On an H100 at Nano dims
     (NVFP4, one process, interleaved calls) a 2,048-token prompt ran 17.9k -> 21.5k / 22.3k / 20.8k
     tok/s with 2 / 3 / 4 tiles, 8 x 512 tokens 16.0k -> 18.8k / 19.3k / 18.3k (4 tiles: 1 CTA an SM).
-    Decode-size blocks gain nothing: batch-32 experts ran 5% slower with 2 tiles, 25% with 3."""
+    Decode-size blocks gain nothing: batch-32 experts ran 5% slower with 2 tiles, 25% with 3.
+
+    Dense (bf16/f16) weights at prefill-size blocks, untimed and off until measured: dense_overlap leaves
+    a K step's wgmmas in flight while the next step's are issued (_wgemm's overlap); dense_rows_as_m puts
+    the block's activation rows on the wgmma M side and the weight rows on N, the usual GEMM orientation
+    for blocks of 64 or more rows (same products); grouped_dense sends dense experts of more than one
+    token through jax's Mosaic GPU grouped GEMM instead (pallas_kernels.moe.grouped_dense_experts)."""
 
     tk: int | None = None
     stages: int = 4
@@ -66,6 +72,9 @@ class Tiling:
     moe_block_rows: int = 64
     weight_tiles: int = 3
     decode_weight_tiles: int = 1
+    dense_overlap: bool = False
+    dense_rows_as_m: bool = False
+    grouped_dense: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -193,6 +202,7 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles,
+                      overlap=tiling.dense_overlap and tm > DECODE_BLOCK_ROWS, rows_as_m=tiling.dense_rows_as_m,
                       interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.

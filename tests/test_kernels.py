@@ -365,7 +365,7 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
         export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas", tiling=tiling)), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
 
-    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)),
+    for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (100, Tiling(dense_overlap=True, dense_rows_as_m=True)),
                            (1, Tiling(bf16_operands=False)), (100, Tiling(bf16_operands=False))):
         experts(tokens, tiling)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
@@ -391,6 +391,59 @@ def test_k_steps_past_the_activations(fmt, tk, ctas_per_sm, monkeypatch):
     _, splits, k_total, _ = _plan(fmt_class, (w.stream()[0] if fmt_class else w).dtype, 320, 8, 1, 1, tiling)
     assert splits > 1 and k_total - 320 >= 64, (splits, k_total)  # a whole step of each split-K plan past K
     _check(linear(x, w, impl=IMPL, tiling=tiling), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
+
+
+@pytest.mark.parametrize("variant", [dict(dense_overlap=True), dict(dense_rows_as_m=True),
+                                     dict(dense_overlap=True, dense_rows_as_m=True)])
+def test_dense_prefill_variants_same_products(variant, monkeypatch):
+    """Dense weights with a K step's wgmmas left in flight (Tiling.dense_overlap) or with the activation
+    rows on the wgmma M side (dense_rows_as_m), at prefill-size blocks, give the default kernel's outputs
+    bit for bit: one and three weight tiles a CTA, a split-K plan, experts in 64- and 128-row blocks. In
+    the interpreter every wgmma runs at once, so there overlap checks the pipeline's bookkeeping; on the
+    GPU (PALLAS_KERNELS_IMPL=pallas) it checks that no tile is overwritten while read."""
+    monkeypatch.setattr(_blocked, "num_sms", lambda: 1)
+    rng = _rng(21)
+    w = WEIGHTS["dense"](rng, (), 192, 640)
+    x = _x(rng, (300, 640), jnp.bfloat16)  # 600 pairs: 150 an expert, 128-row blocks when allowed
+    rows = x[:40]  # one 64-row block (dense weights take the kernel up to 64 rows)
+    for tiling in (Tiling(weight_tiles=1), Tiling(weight_tiles=3, ctas_per_sm=1), Tiling(weight_tiles=1, ctas_per_sm=8)):
+        waited = linear(rows, w, impl=IMPL, tiling=tiling)
+        got = linear(rows, w, impl=IMPL, tiling=dataclasses.replace(tiling, **variant))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(waited, np.float32), err_msg=str(tiling))
+    up, down = WEIGHTS["dense"](rng, (4,), 192, 640), WEIGHTS["dense"](rng, (4,), 640, 192)
+    idx = jnp.asarray(rng.integers(0, 4, (300, 2)), jnp.int32)
+    weight = jnp.asarray(rng.uniform(0.1, 1.0, (300, 2)), jnp.float32)
+    for block in (64, 128):
+        tiling = Tiling(moe_block_rows=block)
+        waited = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=tiling)
+        got = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=dataclasses.replace(tiling, **variant))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(waited, np.float32), err_msg=f"{block} rows")
+
+
+def test_grouped_dense_experts():
+    """The grouped path for dense experts (Tiling.grouped_dense) against the float64 experts, left-out pairs
+    included: its sorting, group sizes, unsorting and masking, with the grouped GEMM as XLA's ragged_dot
+    rounded to x.dtype as the Mosaic one does (jax's own kernel, GPU only; on the GPU, with
+    PALLAS_KERNELS_IMPL=pallas, the Mosaic kernel itself runs here). Rows past the groups are NaN, as
+    unwritten memory may be, and must not reach the output."""
+    rng = _rng(22)
+    up, down = WEIGHTS["dense"](rng, (5,), 192, 128), WEIGHTS["dense"](rng, (5,), 128, 192)
+    x = _x(rng, (50, 128), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(5, 2, replace=False) for _ in range(50)]).astype(np.int32))
+    weight = jnp.asarray(rng.uniform(0.1, 1.0, (50, 2)), jnp.float32)
+    valid = jnp.asarray(rng.random(50) < 0.8)
+
+    def xla_dot(lhs, rhs, sizes):
+        out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), sizes, preferred_element_type=jnp.float32)
+        return jnp.where(jnp.arange(lhs.shape[0])[:, None] < sizes.sum(), out, jnp.nan).astype(lhs.dtype)
+
+    got = moe_ops.grouped_dense_experts(x, idx, weight, up, down, valid,
+                                        **({} if IMPL == "pallas" else {"grouped_dot": xla_dot}))
+    keep = np.asarray(valid)[:, None]
+    h = np.maximum(np.einsum("th,tkfh->tkf", _f64(x), _f64(up)[np.asarray(idx)]), 0) ** 2
+    want = np.einsum("tk,tkf,tkhf->th", np.where(keep, _f64(weight), 0), h, _f64(down)[np.asarray(idx)])
+    assert not np.asarray(got)[~np.asarray(valid)].any()
+    _check(got, want, 3 * TOL_F64[jnp.bfloat16], "grouped dense")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
