@@ -15,7 +15,7 @@
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
-#                                     # bf16 operands)
+#                                     # bf16 operands, the dense prefill variants and grouped path)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as it is
@@ -108,7 +108,8 @@ case "${1:-}" in
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   kernel-tests)
     PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-      -k "tiny or test_linear or single_token or bf16_operands" 2>&1 | tail -3 ;;
+      -k "tiny or test_linear or single_token or bf16_operands or dense_prefill_variants or grouped_dense" 2>&1 \
+      | tail -3 ;;
   xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
              # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion
              # passes that fuse more, the decode loop itself recorded into the CUDA graph). Four timed calls, each
