@@ -59,8 +59,8 @@ class Tiling:
     Dense (bf16/f16) weights at prefill-size blocks, untimed and off until measured: dense_overlap leaves
     a K step's wgmmas in flight while the next step's are issued (_wgemm's overlap); dense_rows_as_m puts
     the block's activation rows on the wgmma M side and the weight rows on N, the usual GEMM orientation
-    for blocks of 64 or more rows (same products); grouped_dense sends dense experts of more than one
-    token through jax's Mosaic GPU grouped GEMM instead (pallas_kernels.moe.grouped_dense_experts)."""
+    for blocks of 64 or more rows (same products); grouped_dense sends dense experts of prefill-size
+    batches through jax's Mosaic GPU grouped GEMM instead (pallas_kernels.moe.grouped_dense_experts)."""
 
     tk: int | None = None
     stages: int = 4

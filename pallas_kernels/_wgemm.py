@@ -28,8 +28,8 @@ Blocks with eid[b] < 0 are skipped and their output left unwritten.
 stage_a: decoded A operands go registers -> SMEM -> wgmma instead of straight from registers. The
 interpreter only models SMEM operands, so interpret mode always stages. ptx: the format's hand-written
 PTX decode (GPU only; interpret mode runs the same decode in jnp). overlap: a dense weight's K step
-leaves its wgmmas running while the next step's are issued (one step in flight;
-the pipeline frees a step's SMEM tiles one step later, Pallas' delay_release). Both operands come from
+leaves its wgmmas running while the next step's are issued (one step in flight; the pipeline frees a
+step's SMEM tiles one step later, Pallas' delay_release). Both operands come from
 SMEM there, so no register is reused while read (which made this unsafe for decoded weights, whose A
 operand sits in registers). The interpreter runs each wgmma at once: there it checks only the bookkeeping.
 rows_as_m: a dense weight's blocks of 64k rows multiply as x @ W^T, activations on the wgmma M side (the
@@ -161,11 +161,10 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                 n0 = (ni * tiles + j) * TN
 
                 def store(n0=n0, acc=acc):
-                    # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle away from WGMMA), so
-                    # each thread stores adjacent n of the row-major output tile.
                     if rows_as_m:
                         o_ref.at[s, b, :, pl.ds(n0, TN)][...] = acc
-                    else:
+                    else:  # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle away from WGMMA),
+                        # so each thread stores adjacent n of the row-major output tile
                         o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
 
                 if n % tn:  # the last CTA's tiles may lie past N

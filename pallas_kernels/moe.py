@@ -122,7 +122,8 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     impl = resolve_impl(impl)
     tiling = tiling or _blocked.DEFAULT_TILING  # read when traced: benchmarks may rebind the default
     if (impl == "pallas" and tiling.grouped_dense and expert_idx.size > COUNT_MAX_PAIRS and not is_quantized(up)
-            and up.dtype == down.dtype == x.dtype and x.dtype in _blocked.MMA_DTYPES):  # prefill, dense experts
+            and up.dtype == down.dtype == x.dtype and x.dtype in _blocked.MMA_DTYPES
+            and up.shape[-1] % GROUPED_K_STEP == down.shape[-1] % GROUPED_K_STEP == 0):  # prefill, dense experts
         return grouped_dense_experts(x, expert_idx, expert_weight, up, down, valid)
     if impl == "xla":
         if valid is not None:
@@ -152,12 +153,15 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     return (rows * expert_weight.astype(jnp.float32)[:, :, None]).sum(axis=1).astype(x.dtype)
 
 
+GROUPED_K_STEP = 64  # the grouped GEMM's K step: contraction sizes must be multiples of it
+
+
 def mosaic_ragged_dot(lhs, rhs, sizes):
     """lhs [M, K] @ rhs[g]^T for rhs [G, N, K], the rows of group g consecutive (sizes [G]) -> [M, N] in
     lhs.dtype, rows past sum(sizes) unwritten: jax's Mosaic GPU grouped GEMM (GPU only)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, block_m=128, block_n=128, block_k=64,
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, block_m=128, block_n=128, block_k=GROUPED_K_STEP,
                                       max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
 
 
