@@ -373,7 +373,8 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
     monkeypatch.setattr(_blocked, "num_sms", lambda: 1)
     export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(
         _x(rng, (256, 2688), jnp.bfloat16), w)
-    for tokens, tiling in ((300, None), (300, Tiling(moe_block_rows=128)), (32, Tiling(decode_weight_tiles=2))):
+    for tokens, tiling in ((300, None), (300, Tiling(moe_block_rows=128)), (32, Tiling(decode_weight_tiles=2)),
+                           (300, Tiling(moe_block_rows=128, dense_overlap=True, dense_rows_as_m=True))):
         experts(tokens, tiling)
 
 
