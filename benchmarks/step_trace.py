@@ -115,13 +115,16 @@ GAP_BINS_US = (5, 50)  # idle gaps summed under, between and over these bounds
 LARGEST_GAPS = 12
 
 
+def gaps_before(events) -> list[float]:
+    """µs from the end of each launch to the start of the next: one per launch after the first."""
+    return [(start - (prev_start + prev_dur)) / 1e3
+            for (_, prev_dur, prev_start, *_), (_, _, start, *_) in zip(events, events[1:])]
+
+
 def gap_summary(events, scopes) -> list[str]:
     """Idle time between consecutive launches by gap size, and the largest gaps with the launches either side
     (which op the GPU waited after: a device-to-host copy, a loop's predicate, a conditional)."""
-    gaps = []
-    for i in range(1, len(events)):
-        prev_end = events[i - 1][2] + events[i - 1][1]
-        gaps.append(((events[i][2] - prev_end) / 1e3, i))
+    gaps = [(g, i) for i, g in enumerate(gaps_before(events), start=1)]
     low, high = GAP_BINS_US
     bins = [sum(g for g, _ in gaps if g > 0 and g < low), sum(g for g, _ in gaps if low <= g < high),
             sum(g for g, _ in gaps if g >= high)]
@@ -139,10 +142,8 @@ def report(events, scopes, hlo: str) -> str:
     lines = [f"{len(events)} launches, {sum(e[1] for e in events) / 1e3:.1f} µs of kernels, "
              f"{(events[-1][2] + events[-1][1] - events[0][2]) / 1e3:.1f} µs first start to last end" if events else
              "no kernel events", "", "| # | scope | kernel | µs | gap before µs | fused ops / grid |", "|---|---|---|---|---|---|"]
-    prev_end = None
-    for i, ((name, dur, start, grid, _), scope) in enumerate(zip(events, scopes)):
-        gap = "" if prev_end is None else f"{(start - prev_end) / 1e3:.1f}"
-        prev_end = start + dur
+    gaps = [""] + [f"{g:.1f}" for g in gaps_before(events)]
+    for i, ((name, dur, _, grid, _), scope, gap) in enumerate(zip(events, scopes, gaps)):
         what = f"grid {grid}" if grid and "mosaic" in name else ops.get(_norm(name), "")
         lines.append(f"| {i} | {scope} | {name[:48]} | {dur / 1e3:.1f} | {gap} | {what} |")
     by_scope = collections.Counter(scopes)
