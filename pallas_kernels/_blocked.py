@@ -60,7 +60,12 @@ class Tiling:
     a K step's wgmmas in flight while the next step's are issued (_wgemm's overlap); dense_rows_as_m puts
     the block's activation rows on the wgmma M side and the weight rows on N, the usual GEMM orientation
     for blocks of 64 or more rows (same products); grouped_dense sends dense experts of prefill-size
-    batches through jax's Mosaic GPU grouped GEMM instead (pallas_kernels.moe.grouped_dense_experts)."""
+    batches through jax's Mosaic GPU grouped GEMM instead (pallas_kernels.moe.grouped_dense_experts).
+
+    unpadded_rows, untimed and off until measured: an op's activations that fill less than one block
+    (a decode token's row, 1-7 rows of a batch) go to the kernel as they are, its TMA loads reading zeros
+    past their last row, instead of as a zero-padded copy (at batch 1 an XLA launch before each of ~105
+    weight kernels a step; same products)."""
 
     tk: int | None = None
     stages: int = 4
@@ -75,6 +80,7 @@ class Tiling:
     dense_overlap: bool = False
     dense_rows_as_m: bool = False
     grouped_dense: bool = False
+    unpadded_rows: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -179,18 +185,24 @@ def _plan(fmt, w_dtype, k: int, tm: int, n_tiles: int, num_blocks: int, tiling: 
     return tk, splits, splits * steps * tk * per, tiles
 
 
-def row_blocks(x, tm: int):
-    """x [M, K] -> [ceil(M / tm), tm, K], the last block zero-padded: the kernel's activation blocks."""
+def row_blocks(x, tm: int, tiling: Tiling | None = None):
+    """x [M, K] -> [ceil(M / tm), tm, K], the last block zero-padded: the kernel's activation blocks;
+    under tiling.unpadded_rows, M < tm rows stay one unpadded block [1, M, K] (blocked_linear's tm
+    says the block's size)."""
     m, k = x.shape
+    if m < tm and (tiling or DEFAULT_TILING).unpadded_rows:
+        return x[None]
     blocks = -(-m // tm)
     return jnp.pad(x, ((0, blocks * tm - m), (0, 0))).reshape(blocks, tm, k)
 
 
-def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
+def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, tm: int | None = None):
     """y[b] = xb[b] @ dequant(W[eid[b]])^T, float32 [B, tm, N] for B = len(eid); xb [B, tm, K], or
-    [1, tm, K] for rows every block reads. impl is "pallas" or "interpret"."""
+    [1, tm, K] for rows every block reads; tm (default: xb's rows) may exceed xb's rows, which the
+    kernel then extends with zero rows. impl is "pallas" or "interpret"."""
     tiling = tiling or DEFAULT_TILING
-    _, tm, k = xb.shape
+    _, rows, k = xb.shape
+    tm = tm or rows
     num_blocks = eid.shape[0]
     n = w.shape[-2]
     fmt, arr, scale, post = _weight_operands(w)
@@ -203,7 +215,7 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None):
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles,
                       overlap=tiling.dense_overlap and tm > DECODE_BLOCK_ROWS, rows_as_m=tiling.dense_rows_as_m,
-                      interpret=interpret_params(impl))
+                      tm=tm, interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.
         out = jax.block_until_ready(out)

@@ -11,7 +11,7 @@ Quantised weights are decoded in registers right before the wgmma (never written
 
 Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats, or another
 class with its interface):
-  x      [B, tm, K] in the MMA dtype (dense: the weight's dtype; quantised: float16 or bfloat16, which the
+  x      [B, tm, K] (or fewer rows, read as zeros past them) in the MMA dtype (dense: the weight's dtype; quantised: float16 or bfloat16, which the
          weight decodes to)
   w      [E, N, Kw] streamed weight elements (Kw = K / fmt.K_PER_ELEMENT)
   scale  [E, K/16, N] block scales streamed with the codes (formats with ELEMENTS_PER_SCALE_ROW), or None
@@ -84,16 +84,21 @@ def scale_rows_per_step(fmt, tk: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "overlap",
-                                             "rows_as_m", "interpret"))
+                                             "rows_as_m", "tm", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                ptx: bool = False, tiles: int = 1, overlap: bool = False, rows_as_m: bool = False, interpret=None):
-    """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, tm, K]
-    is every block's rows (one token's experts all read the same row). tiles: 64-row weight tiles one
-    CTA multiplies with each activation tile it streams (the activation traffic divided by tiles; a
-    last CTA's tiles past N read zeros and store nothing)."""
-    (num_blocks,), (x_blocks, tm, kx) = eid.shape, x.shape
+                ptx: bool = False, tiles: int = 1, overlap: bool = False, rows_as_m: bool = False,
+                tm: int | None = None, interpret=None):
+    """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, rows, K]
+    is every block's rows (one token's experts all read the same row). tm: rows of a block (default:
+    x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a decode
+    token's row). tiles: 64-row weight tiles one CTA multiplies with each activation tile it streams
+    (the activation traffic divided by tiles; a last CTA's tiles past N read zeros and store nothing)."""
+    (num_blocks,), (x_blocks, rows, kx) = eid.shape, x.shape
+    tm = tm or rows
     if x_blocks not in (1, num_blocks):
         raise ValueError(f"x has {x_blocks} blocks for {num_blocks} expert ids: must be 1 or {num_blocks}")
+    if rows > tm:
+        raise ValueError(f"x blocks of {rows} rows for a kernel block of tm={tm} rows")
     _, n, _ = w.shape
     tkx = tk * (fmt.K_PER_ELEMENT if fmt else 1)
     steps = -(-kx // (tkx * splits))

@@ -51,9 +51,10 @@ def linear(x, w: Weight, *, impl: str | None = None, tiling: Tiling | None = Non
     out_dtype = x.dtype
     if getattr(w, "input_scale", None) is not None:
         x, w = w.input_codes(x, w.input_scale), w.fold_input_scale()
-    xb = row_blocks(x.reshape(m, k), block_rows(m))
+    tm = block_rows(m)
+    xb = row_blocks(x.reshape(m, k), tm, tiling)
     one_expert = jax.tree.map(lambda a: a[None], w)  # the kernel indexes weights by expert
-    y = blocked_linear(xb, jnp.zeros(xb.shape[:1], jnp.int32), one_expert, impl, tiling)
+    y = blocked_linear(xb, jnp.zeros(xb.shape[:1], jnp.int32), one_expert, impl, tiling, tm)
     return y.reshape(-1, y.shape[-1])[:m].astype(out_dtype).reshape(*lead, -1)
 
 

@@ -139,12 +139,12 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     if t == 1 and getattr(up, "input_scale", None) is None:
         # every block reads the token's one row: the same activation block (and so, after XLA's common
         # subexpression elimination, the same preparation) as any other projection of x, e.g. the shared expert's
-        xb = row_blocks(x, tm)
+        xb = row_blocks(x, tm, tiling)
     else:
         slot_token = slot_pair // k  # T for empty slots: past the end, they read zero rows
         xb = x.at[slot_token].get(mode="fill", fill_value=0).reshape(-1, tm, x.shape[1])
     xb, up = _quantized_blocks(xb, block_expert, up)
-    h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling), 0.0)).astype(x.dtype)
+    h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling, tm), 0.0)).astype(x.dtype)
     h, down = _quantized_blocks(h, block_expert, down)
     o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
     # A left-out pair's slot is past the end: it reads zero. Slots of unused blocks (left unwritten) are never read.

@@ -365,8 +365,12 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
         export.export(jax.jit(lambda *a: moe_experts(*a, impl="pallas", tiling=tiling)), platforms=["cuda"])(
             _x(rng, (tokens, 2688), jnp.bfloat16), idx, weight, up, down)
 
+    for rows in (1, 40):  # fewer rows than a block, unpadded
+        export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=Tiling(unpadded_rows=True))),
+                      platforms=["cuda"])(_x(rng, (rows, 2688), jnp.bfloat16), w)
     for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (100, Tiling(dense_overlap=True, dense_rows_as_m=True)),
-                           (1, Tiling(bf16_operands=False)), (100, Tiling(bf16_operands=False))):
+                           (1, Tiling(bf16_operands=False)), (100, Tiling(bf16_operands=False)),
+                           (1, Tiling(unpadded_rows=True))):
         experts(tokens, tiling)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
     # 128-row blocks is the largest pipeline (FP8: 224 KiB of the 227 KiB of shared memory)
@@ -419,6 +423,40 @@ def test_dense_prefill_variants_same_products(variant, monkeypatch):
         waited = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=tiling)
         got = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=dataclasses.replace(tiling, **variant))
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(waited, np.float32), err_msg=f"{block} rows")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
+def test_unpadded_rows_same_products(fmt):
+    """Activations that fill less than one block, sent to the kernel without a padded copy
+    (Tiling.unpadded_rows: the kernel loads zeros past their last row), give the padded path's outputs
+    bit for bit: 1, 5 and 40 rows (8- and 64-row blocks), a split-K plan and one token's experts; a
+    full block and a multi-token MoE batch keep their blocks as they were."""
+    rng = _rng(23)
+    w = WEIGHTS[fmt](rng, (), 128, 320)
+    up, down = WEIGHTS[fmt](rng, (4,), 192, 320), WEIGHTS[fmt](rng, (4,), 320, 192)
+    for rows in (1, 5, 8, 40):
+        x = _x(rng, (rows, 320), jnp.bfloat16)
+        for tiling in (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)):
+            padded = linear(x, w, impl=IMPL, tiling=tiling)
+            got = linear(x, w, impl=IMPL, tiling=dataclasses.replace(tiling, unpadded_rows=True))
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(padded, np.float32),
+                                          err_msg=f"{rows} rows, {tiling}")
+    for tokens in (1, 3):
+        x = _x(rng, (tokens, 320), jnp.bfloat16)
+        idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
+        weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+        padded = moe_experts(x, idx, weight, up, down, impl=IMPL)
+        got = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(unpadded_rows=True))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(padded, np.float32), err_msg=f"{tokens}")
+
+
+def test_unpadded_rows_drop_the_pad():
+    """What unpadded_rows is for: a one-row projection traces to no pad of its activations."""
+    rng = _rng(24)
+    w = WEIGHTS["nvfp4"](rng, (), 128, 320)
+    pads = lambda tiling: str(jax.make_jaxpr(lambda x: linear(x, w, impl=IMPL, tiling=tiling))(
+        _x(rng, (1, 320), jnp.bfloat16))).count(" pad[")
+    assert pads(Tiling()) == 1 and pads(Tiling(unpadded_rows=True)) == 0
 
 
 def test_grouped_dense_experts():
