@@ -11,8 +11,8 @@ Quantised weights are decoded in registers right before the wgmma (never written
 
 Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats, or another
 class with its interface):
-  x      [B, tm, K] (or fewer rows, read as zeros past them) in the MMA dtype (dense: the weight's dtype; quantised: float16 or bfloat16, which the
-         weight decodes to)
+  x      [B, tm, K] (or fewer rows, read as zeros past them) in the MMA dtype (dense: the weight's
+         dtype; quantised: float16 or bfloat16, which the weight decodes to)
   w      [E, N, Kw] streamed weight elements (Kw = K / fmt.K_PER_ELEMENT)
   scale  [E, K/16, N] block scales streamed with the codes (formats with ELEMENTS_PER_SCALE_ROW), or None
 Each K step streams a (64, tk) weight tile, its (tk / ELEMENTS_PER_SCALE_ROW, 64) scale tile and a
