@@ -148,9 +148,13 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     h, down = _quantized_blocks(h, block_expert, down)
     o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
     # A left-out pair's slot is past the end: it reads zero. Slots of unused blocks (left unwritten) are never read.
-    rows = o.at[pair_slot].get(mode="fill", fill_value=0.0).reshape(t, k, -1)
-    # elementwise and a sum over k, which XLA fuses (a dot would be a separate GEMM)
-    return (rows * expert_weight.astype(jnp.float32)[:, :, None]).sum(axis=1).astype(x.dtype)
+    return _weighted_sum(o.at[pair_slot].get(mode="fill", fill_value=0.0).reshape(t, k, -1), expert_weight, x.dtype)
+
+
+def _weighted_sum(rows, expert_weight, dtype):
+    """Each token's k expert outputs rows [T, k, H] weighted by expert_weight [T, k] and summed in fp32 ->
+    [T, H] in dtype: elementwise and a sum over k, which XLA fuses (a dot would be a separate GEMM)."""
+    return (rows.astype(jnp.float32) * expert_weight.astype(jnp.float32)[:, :, None]).sum(axis=1).astype(dtype)
 
 
 GROUPED_K_STEP = 64  # the grouped GEMM's K step: contraction sizes must be multiples of it
@@ -179,5 +183,4 @@ def grouped_dense_experts(x, expert_idx, expert_weight, up, down, valid=None, gr
     h = grouped_dot(x[order // k], up, sizes)
     h = jnp.square(jnp.maximum(h.astype(jnp.float32), 0.0)).astype(x.dtype)
     o = grouped_dot(h, down, sizes)  # rows of left-out pairs: never written, never read
-    rows = jnp.where(kept[:, None], o[jnp.argsort(order)], 0).reshape(t, k, -1).astype(jnp.float32)
-    return (rows * expert_weight.astype(jnp.float32)[:, :, None]).sum(axis=1).astype(x.dtype)
+    return _weighted_sum(jnp.where(kept[:, None], o[jnp.argsort(order)], 0).reshape(t, k, -1), expert_weight, x.dtype)

@@ -70,6 +70,11 @@ def _f64(a):
     return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
 
 
+def _same_bits(got, want, what):
+    """The two outputs are equal bit for bit (compared as float32, which holds bf16 and f16 exactly)."""
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=what)
+
+
 def _check(y, ref, tol, what):
     y, ref = _f64(y), np.asarray(ref, np.float64)
     assert y.shape == ref.shape, (what, y.shape, ref.shape)
@@ -414,7 +419,7 @@ def test_dense_prefill_variants_same_products(variant, monkeypatch):
     for tiling in (Tiling(weight_tiles=1), Tiling(weight_tiles=3, ctas_per_sm=1), Tiling(weight_tiles=1, ctas_per_sm=8)):
         waited = linear(rows, w, impl=IMPL, tiling=tiling)
         got = linear(rows, w, impl=IMPL, tiling=dataclasses.replace(tiling, **variant))
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(waited, np.float32), err_msg=str(tiling))
+        _same_bits(got, waited, str(tiling))
     up, down = WEIGHTS["dense"](rng, (4,), 192, 640), WEIGHTS["dense"](rng, (4,), 640, 192)
     idx = jnp.asarray(rng.integers(0, 4, (300, 2)), jnp.int32)
     weight = jnp.asarray(rng.uniform(0.1, 1.0, (300, 2)), jnp.float32)
@@ -422,7 +427,7 @@ def test_dense_prefill_variants_same_products(variant, monkeypatch):
         tiling = Tiling(moe_block_rows=block)
         waited = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=tiling)
         got = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=dataclasses.replace(tiling, **variant))
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(waited, np.float32), err_msg=f"{block} rows")
+        _same_bits(got, waited, f"{block} rows")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
@@ -439,15 +444,14 @@ def test_unpadded_rows_same_products(fmt):
         for tiling in (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)):
             padded = linear(x, w, impl=IMPL, tiling=tiling)
             got = linear(x, w, impl=IMPL, tiling=dataclasses.replace(tiling, unpadded_rows=True))
-            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(padded, np.float32),
-                                          err_msg=f"{rows} rows, {tiling}")
+            _same_bits(got, padded, f"{rows} rows, {tiling}")
     for tokens in (1, 3):
         x = _x(rng, (tokens, 320), jnp.bfloat16)
         idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
         weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
         padded = moe_experts(x, idx, weight, up, down, impl=IMPL)
         got = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(unpadded_rows=True))
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(padded, np.float32), err_msg=f"{tokens}")
+        _same_bits(got, padded, f"{tokens} tokens")
 
 
 def test_unpadded_rows_drop_the_pad():
@@ -500,8 +504,7 @@ def test_several_weight_tiles_per_cta(fmt, monkeypatch):
         for tiles in (2, 4):
             tiling = Tiling(ctas_per_sm=1, decode_ctas_per_sm=1, weight_tiles=tiles, decode_weight_tiles=tiles)
             got = linear(x, w, impl=IMPL, tiling=tiling)
-            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32),
-                                          err_msg=f"{rows} rows, {tiles} tiles")
+            _same_bits(got, one, f"{rows} rows, {tiles} tiles")
         _check(one, _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16], fmt)
     monkeypatch.undo()
     fmt_class = type(w) if fmt != "dense" else None
@@ -527,7 +530,7 @@ def test_bf16_operands_give_the_float16_paths_products(fmt):
     for rows, dtype in ((1, jnp.bfloat16), (40, jnp.bfloat16), (1, jnp.float32)):
         x = _x(rng, (rows, 320), dtype)
         got = linear(x, w, impl=IMPL)
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(linear(x, w, impl=IMPL, tiling=f16), np.float32))
+        _same_bits(got, linear(x, w, impl=IMPL, tiling=f16), f"{fmt} rows={rows}")
         _check(got, _f64(x) @ _f64(dequantize(w)).T, TOL_F64[dtype], f"{fmt} rows={rows}")
     up, down = WEIGHTS[fmt](rng, (4,), 64, 320), WEIGHTS[fmt](rng, (4,), 320, 64)
     for tokens in (1, 5):
