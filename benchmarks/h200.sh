@@ -15,7 +15,7 @@
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
-#                                     # bf16 operands, the dense prefill variants and grouped path, unpadded rows)
+#                                     # bf16 operands, several weight tiles a CTA, rows read without a padded copy)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as it is
@@ -28,7 +28,7 @@
 #   bash benchmarks/h200.sh ssd       # the chunked SSD scan alone, 1x2048 and 8x512: this tree's and (when
 #                                     # present) _old's in one process, each against the recurrence
 #   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
-#                                     # others (default: $CANDIDATE_TILINGS) in one process, calls interleaved,
+#                                     # others (TILINGS; none pending by default) in one process, calls interleaved,
 #                                     # every variant gated (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS] [LAYOUT]  # the same for prefill 1x2048 and 8x512
 #                                     # (default: two weight tiles a CTA, 128-row MoE expert blocks; NANO_NVFP4)
@@ -38,9 +38,10 @@
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
-#   bash benchmarks/h200.sh kernel-variants  # the weight kernels under the default tiling and those (kernels.py)
+#   bash benchmarks/h200.sh kernel-variants [TILINGS]  # the weight kernels under the default tiling and those
+#                                     # (kernels.py)
 #   bash benchmarks/h200.sh prefill-experts [TILINGS]  # bf16 MoE experts of a 2,048-token chunk alone, default
-#                                     # tiling against TILINGS (default: $CANDIDATE_DENSE_PREFILL)
+#                                     # tiling against TILINGS (default: $CANDIDATE_PREFILL_TILINGS)
 #   bash benchmarks/h200.sh trace [TILING]  # NANO_NVFP4 at Nano widths, layers MEME: one decode step's launches in
 #                                     # order, batches 1 and 32, op by op and as CUDA graphs (benchmarks/step_trace.py),
 #                                     # and the GEMV's fixed cost
@@ -70,12 +71,8 @@ quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\
 leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="unpadded_rows=true"  # a decode token's row read by the weight kernels without a padded copy
+CANDIDATE_TILINGS=""  # none pending (rows without a padded copy became the default in run 18): name TILINGS
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
-# dense (bf16) experts at prefill: wgmmas left in flight, token rows on the wgmma M side, both, both with
-# 128-row blocks, and jax's grouped GEMM (ragged_dot_mgpu)
-CANDIDATE_DENSE_PREFILL="dense_overlap=true;dense_rows_as_m=true;dense_overlap=true,dense_rows_as_m=true"
-CANDIDATE_DENSE_PREFILL+=";dense_overlap=true,dense_rows_as_m=true,moe_block_rows=128;grouped_dense=true"
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
 # adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)
@@ -107,7 +104,7 @@ case "${1:-}" in
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   kernel-tests)
     PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-      -k "tiny or test_linear or single_token or bf16_operands or dense_prefill_variants or grouped_dense or unpadded" 2>&1 \
+      -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded" 2>&1 \
       | tail -3 ;;
   xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
              # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion
@@ -154,8 +151,8 @@ case "${1:-}" in
   kernel-variants) # the kernels alone under the default tiling and the candidates of `variants`: GEMV fit, MoE
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \
-      --tilings "$CANDIDATE_TILINGS" ;;
-  prefill-experts) leg 300 benchmarks/kernels.py --only moe2048 --formats bf16 --tilings "${2:-$CANDIDATE_DENSE_PREFILL}" ;;
+      --tilings "${2:-$CANDIDATE_TILINGS}" ;;
+  prefill-experts) leg 300 benchmarks/kernels.py --only moe2048 --formats bf16 --tilings "${2:-$CANDIDATE_PREFILL_TILINGS}" ;;
   prefill-trace) for graphs in "" --graphs; do
                    leg 250 benchmarks/step_trace.py --layout "${2:-dense}" --pattern "MEM*E" --prefill 1x2048 $graphs
                  done ;;

@@ -27,13 +27,7 @@ Blocks with eid[b] < 0 are skipped and their output left unwritten.
 
 stage_a: decoded A operands go registers -> SMEM -> wgmma instead of straight from registers. The
 interpreter only models SMEM operands, so interpret mode always stages. ptx: the format's hand-written
-PTX decode (GPU only; interpret mode runs the same decode in jnp). overlap: a dense weight's K step
-leaves its wgmmas running while the next step's are issued (one step in flight; the pipeline frees a
-step's SMEM tiles one step later, Pallas' delay_release). Both operands come from
-SMEM there, so no register is reused while read (which made this unsafe for decoded weights, whose A
-operand sits in registers). The interpreter runs each wgmma at once: there it checks only the bookkeeping.
-rows_as_m: a dense weight's blocks of 64k rows multiply as x @ W^T, activations on the wgmma M side (the
-usual GEMM orientation, where a 64- or 128-row block fills M), accumulators [tm, 64] stored as they are.
+PTX decode (GPU only; interpret mode runs the same decode in jnp).
 """
 
 from __future__ import annotations
@@ -83,11 +77,10 @@ def scale_rows_per_step(fmt, tk: int) -> int:
     return tk // per_row if per_row else 0
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "overlap",
-                                             "rows_as_m", "tm", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
+                                             "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                ptx: bool = False, tiles: int = 1, overlap: bool = False, rows_as_m: bool = False,
-                tm: int | None = None, interpret=None):
+                ptx: bool = False, tiles: int = 1, tm: int | None = None, interpret=None):
     """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, rows, K]
     is every block's rows (one token's experts all read the same row). tm: rows of a block (default:
     x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a decode
@@ -108,8 +101,6 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     n_scale = scale_rows_per_step(fmt, tk)
     if (scale is None) != (n_scale == 0):
         raise ValueError(f"format {fmt} streams {n_scale} scale rows a step, got scale={scale is not None}")
-    overlap = overlap and fmt is None and stages > 1
-    rows_as_m = rows_as_m and fmt is None and tm % 64 == 0
     stage_a = (stage_a or interpret is not None) and fmt is not None
     ptx = ptx and interpret is None
     mma_dtype = x.dtype
@@ -140,37 +131,26 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                                 a_smem[...] = a
                                 plgpu.commit_smem()
                                 a = a_smem
-                        if rows_as_m:
-                            plgpu.wgmma(acc, x_smem, a.T)
-                        else:
-                            plgpu.wgmma(acc, a, x_smem.T)
-                    plgpu.wgmma_wait(tiles if overlap else 0)  # overlap: this step's wgmmas stay in flight
+                        plgpu.wgmma(acc, a, x_smem.T)
+                    plgpu.wgmma_wait(0)
 
                 k0 = s * steps
-                held = int(overlap)  # steps a tile outlives its own: the wgmma still reading it
-                specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx),
-                                         delay_release=held),
-                         plgpu.BlockSpec((tn, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk),
-                                         delay_release=held)]
+                specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx)),
+                         plgpu.BlockSpec((tn, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk))]
                 operands = [x_ref.at[b if x_blocks > 1 else 0], w_ref.at[e]]
                 if n_scale:
                     specs.append(plgpu.BlockSpec((n_scale, tn), lambda k: (k0 + k, ni)))
                     operands.append(s_ref.at[e])
                 plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*operands)
-                if overlap:
-                    plgpu.wgmma_wait(0)
                 return tuple(acc[...] for acc in accs)
 
-            accs = pl.run_scoped(acc_scope, *[plgpu.ACC((tm, TN) if rows_as_m else (TN, tm))] * tiles)
+            accs = pl.run_scoped(acc_scope, *[plgpu.ACC((TN, tm))] * tiles)
             for j, acc in enumerate(accs):
                 n0 = (ni * tiles + j) * TN
 
-                def store(n0=n0, acc=acc):
-                    if rows_as_m:
-                        o_ref.at[s, b, :, pl.ds(n0, TN)][...] = acc
-                    else:  # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle away from WGMMA),
-                        # so each thread stores adjacent n of the row-major output tile
-                        o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                def store(n0=n0, acc=acc):  # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle
+                    # away from WGMMA), so each thread stores adjacent n of the row-major output tile
+                    o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
 
                 if n % tn:  # the last CTA's tiles may lie past N
                     pl.when(n0 < n)(store)

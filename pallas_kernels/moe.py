@@ -15,8 +15,7 @@ the weighted combine in XLA between and after. The hidden
 activation relu(up x)^2 enters the down projection in x.dtype, as in the reference model. Experts with
 input scales (W8A8 / W4A4) quantise each block's rows with the block expert's input_scale to exact
 codes (pallas_kernels.linear), which the weight-only kernel reads with input_scale folded into the
-expert's output scale. Dense experts at prefill may instead go through jax's Mosaic GPU grouped GEMM
-(Tiling.grouped_dense, off by default).
+expert's output scale.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from pallas_kernels import reference
 from pallas_kernels._backend import resolve_impl
 from pallas_kernels import _blocked
 from pallas_kernels._blocked import Tiling, blocked_linear, row_blocks
-from pallas_kernels.formats import Weight, is_quantized
+from pallas_kernels.formats import Weight
 
 MOE_BLOCK_ROWS = 8  # decode: a token's k experts each get a block
 
@@ -121,10 +120,6 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     """
     impl = resolve_impl(impl)
     tiling = tiling or _blocked.DEFAULT_TILING  # read when traced: benchmarks may rebind the default
-    if (impl == "pallas" and tiling.grouped_dense and expert_idx.size > COUNT_MAX_PAIRS and not is_quantized(up)
-            and up.dtype == down.dtype == x.dtype and x.dtype in _blocked.MMA_DTYPES
-            and up.shape[-1] % GROUPED_K_STEP == down.shape[-1] % GROUPED_K_STEP == 0):  # prefill, dense experts
-        return grouped_dense_experts(x, expert_idx, expert_weight, up, down, valid)
     if impl == "xla":
         if valid is not None:
             expert_weight = jnp.where(valid.reshape(valid.shape[0], -1), expert_weight, 0.0)
@@ -148,39 +143,7 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     h, down = _quantized_blocks(h, block_expert, down)
     o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
     # A left-out pair's slot is past the end: it reads zero. Slots of unused blocks (left unwritten) are never read.
-    return _weighted_sum(o.at[pair_slot].get(mode="fill", fill_value=0.0).reshape(t, k, -1), expert_weight, x.dtype)
-
-
-def _weighted_sum(rows, expert_weight, dtype):
-    """Each token's k expert outputs rows [T, k, H] weighted by expert_weight [T, k] and summed in fp32 ->
-    [T, H] in dtype: elementwise and a sum over k, which XLA fuses (a dot would be a separate GEMM)."""
-    return (rows.astype(jnp.float32) * expert_weight.astype(jnp.float32)[:, :, None]).sum(axis=1).astype(dtype)
-
-
-GROUPED_K_STEP = 64  # the grouped GEMM's K step: contraction sizes must be multiples of it
-
-
-def mosaic_ragged_dot(lhs, rhs, sizes):
-    """lhs [M, K] @ rhs[g]^T for rhs [G, N, K], the rows of group g consecutive (sizes [G]) -> [M, N] in
-    lhs.dtype, rows past sum(sizes) unwritten: jax's Mosaic GPU grouped GEMM (GPU only)."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, block_m=128, block_n=128, block_k=GROUPED_K_STEP,
-                                      max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
-
-
-def grouped_dense_experts(x, expert_idx, expert_weight, up, down, valid=None, grouped_dot=mosaic_ragged_dot):
-    """moe_experts for dense bf16/f16 experts as two grouped GEMMs (grouped_dot: tokens on the wgmma M side,
-    128 x 128 output tiles): the pairs sorted by expert, no padding to blocks. grouped_dot's outputs are in
-    x.dtype, so the up projection rounds before relu^2 and each expert's output before the weighted sum."""
-    t, k = expert_idx.shape
-    num_experts = up.shape[0]
-    e = expert_idx.reshape(-1).astype(jnp.int32)
-    kept = jnp.ones_like(e, bool) if valid is None else _pair_valid(valid, expert_idx)
-    e = jnp.where(kept, e, num_experts)  # left-out pairs sort last, past every group
-    order = jnp.argsort(e, stable=True)
-    sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[e].add(1)[:num_experts]
-    h = grouped_dot(x[order // k], up, sizes)
-    h = jnp.square(jnp.maximum(h.astype(jnp.float32), 0.0)).astype(x.dtype)
-    o = grouped_dot(h, down, sizes)  # rows of left-out pairs: never written, never read
-    return _weighted_sum(jnp.where(kept[:, None], o[jnp.argsort(order)], 0).reshape(t, k, -1), expert_weight, x.dtype)
+    # Each token's k expert rows weighted and summed in fp32: elementwise and a sum over k, which XLA fuses
+    # (a dot would be a separate GEMM).
+    rows = o.at[pair_slot].get(mode="fill", fill_value=0.0).reshape(t, k, -1)
+    return (rows * expert_weight.astype(jnp.float32)[:, :, None]).sum(axis=1).astype(x.dtype)
