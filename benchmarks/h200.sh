@@ -15,7 +15,8 @@
 #   bash benchmarks/h200.sh overhead  # NANO_NVFP4 batch 1: a decode call's fixed cost, CUDA graphs on and off
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
-#                                     # bf16 operands, several weight tiles a CTA, rows read without a padded copy)
+#                                     # bf16 operands, several weight tiles a CTA, rows read without a padded copy,
+#                                     # NVFP4 through warp-level mma)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as it is
@@ -28,7 +29,7 @@
 #   bash benchmarks/h200.sh ssd       # the chunked SSD scan alone, 1x2048 and 8x512: this tree's and (when
 #                                     # present) _old's in one process, each against the recurrence
 #   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
-#                                     # others (TILINGS; none pending by default) in one process, calls interleaved,
+#                                     # others (default: $CANDIDATE_TILINGS) in one process, calls interleaved,
 #                                     # every variant gated (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS] [LAYOUT]  # the same for prefill 1x2048 and 8x512
 #                                     # (default: two weight tiles a CTA, 128-row MoE expert blocks; NANO_NVFP4)
@@ -71,7 +72,7 @@ quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\
 leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS=""  # none pending (rows without a padded copy became the default in run 18): name TILINGS
+CANDIDATE_TILINGS="mma_sync=true"  # NVFP4 blocks of up to 8 rows through warp-level mma instead of wgmma
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
@@ -104,7 +105,7 @@ case "${1:-}" in
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
   kernel-tests)
     PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-      -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded" 2>&1 \
+      -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma" 2>&1 \
       | tail -3 ;;
   xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
              # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion

@@ -27,7 +27,7 @@ from jax import lax
 
 from pallas_kernels._backend import interpret_params, num_sms
 from pallas_kernels._wgemm import TN, X_TILE, weight_gemm
-from pallas_kernels.formats import Weight, is_quantized
+from pallas_kernels.formats import MMA_K_CHUNK, Weight, is_quantized, mma_k_order
 
 ROW_ALIGN = 32  # bytes: weight rows must hold whole 32-byte swizzle tiles
 MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are streamed as they are
@@ -59,7 +59,13 @@ class Tiling:
     unpadded_rows: an op's activations that fill less than one block (a decode token's row, 1-7 rows of
     a batch) go to the kernel as they are, its TMA loads reading zeros past their last row, instead of as
     a zero-padded copy: at batch 1 an XLA launch fewer before each of ~105 weight kernels a step, same
-    products (H100, NANO_NVFP4, gated, interleaved calls: batch 1 2.584 -> 2.547 ms, batch 32 unchanged)."""
+    products (H100, NANO_NVFP4, gated, interleaved calls: batch 1 2.584 -> 2.547 ms, batch 32 unchanged).
+
+    mma_sync, untimed and off until measured: NVFP4 weights at blocks of up to 8 rows multiply with
+    warp-level mma (m16n8k16) instead of wgmma (_wgemm's mma), on the GPU only (the interpreter keeps
+    wgmma). At M=1 the wgmma kernel moves ~2.9 G NVFP4 values a ms on an H100 whatever its decode costs
+    (a third of the decode's work gave the same rate), 58% of the bytes the HBM could deliver; mma's
+    native 8-column N and its register accumulator may not share that ceiling."""
 
     tk: int | None = None
     stages: int = 4
@@ -72,6 +78,7 @@ class Tiling:
     weight_tiles: int = 3
     decode_weight_tiles: int = 1
     unpadded_rows: bool = True
+    mma_sync: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -201,10 +208,14 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, 
     x, row_exp = _activations(xb, fmt, arr.dtype, tiling.bf16_operands)
     if fmt is not None:
         post = post / fmt.operand_unit(x.dtype)
+    mma = (tiling.mma_sync and impl == "pallas" and hasattr(fmt, "decode_mma_tile") and x.dtype == jnp.bfloat16
+           and tm == DECODE_BLOCK_ROWS and tiles == 1 and tk % 32 == 0 and k % MMA_K_CHUNK == 0)
+    if mma:  # the decoded weight's K order
+        x = mma_k_order(x)
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
-                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles, tm=tm,
+                      stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles, tm=tm, mma=mma,
                       interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.

@@ -27,7 +27,10 @@ Blocks with eid[b] < 0 are skipped and their output left unwritten.
 
 stage_a: decoded A operands go registers -> SMEM -> wgmma instead of straight from registers. The
 interpreter only models SMEM operands, so interpret mode always stages. ptx: the format's hand-written
-PTX decode (GPU only; interpret mode runs the same decode in jnp).
+PTX decode (GPU only; interpret mode runs the same decode in jnp). mma: blocks of 8 rows multiply with
+warp-level mma (m16n8k16, each warp 16 weight rows, its accumulator in registers across K steps) instead
+of wgmma, the weight decoded straight into mma's A layout (`decode_mma_tile`, K in the format's
+mma_k_order: the caller permutes x alike). GPU only (the interpreter runs neither mma nor PTX).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ TN = 64  # weight rows per tile (wgmma M); a CTA takes `tiles` adjacent tiles
 X_TILE = 64  # activation elements per row of an x SMEM tile (the widest swizzle tile of 2-byte x)
 
 # One value per row of a 64-row WGMMA tile (what a row reduction of a WGMMA-layout array yields).
-_ROW = plgpu.Layout.TILED(
+ROW_LAYOUT = plgpu.Layout.TILED(
     plgpu.Tiling(((64,), (16,), (8,), (1,))),
     warp_dims=(-4,),
     lane_dims=(-2, plgpu.Replicated(4)),
@@ -78,14 +81,15 @@ def scale_rows_per_step(fmt, tk: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
-                                             "interpret"))
+                                             "mma", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                ptx: bool = False, tiles: int = 1, tm: int | None = None, interpret=None):
+                ptx: bool = False, tiles: int = 1, tm: int | None = None, mma: bool = False, interpret=None):
     """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, rows, K]
     is every block's rows (one token's experts all read the same row). tm: rows of a block (default:
     x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a decode
     token's row). tiles: 64-row weight tiles one CTA multiplies with each activation tile it streams
-    (the activation traffic divided by tiles; a last CTA's tiles past N read zeros and store nothing)."""
+    (the activation traffic divided by tiles; a last CTA's tiles past N read zeros and store nothing).
+    mma: warp-level mma for 8-row blocks (module docstring)."""
     (num_blocks,), (x_blocks, rows, kx) = eid.shape, x.shape
     tm = tm or rows
     if x_blocks not in (1, num_blocks):
@@ -106,6 +110,11 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     mma_dtype = x.dtype
     if fmt is not None and mma_dtype not in (jnp.float16, jnp.bfloat16):
         raise ValueError(f"quantised weights decode to float16 or bfloat16 (x's dtype), got x in {mma_dtype}")
+    if mma and not (hasattr(fmt, "decode_mma_tile") and mma_dtype == jnp.bfloat16 and tm == 8 and tiles == 1
+                    and tk % 32 == 0 and interpret is None):
+        raise ValueError(f"warp-level mma takes a format with decode_mma_tile, bfloat16 x, 8-row blocks, one "
+                         f"tile a CTA, tk % 32 == 0, on the GPU: got {fmt}, {mma_dtype}, tm={tm}, tiles={tiles}, "
+                         f"tk={tk}, interpret={interpret is not None}")
 
     def wgemm(eid_ref, x_ref, w_ref, *refs):
         s_ref, refs = (refs[0], refs[1:]) if n_scale else (None, refs)
@@ -115,6 +124,26 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
 
         @pl.when(e >= 0)
         def _():
+            k0 = s * steps
+            specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx)),
+                     plgpu.BlockSpec((tn, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk))]
+            operands = [x_ref.at[b if x_blocks > 1 else 0], w_ref.at[e]]
+            if n_scale:
+                specs.append(plgpu.BlockSpec((n_scale, tn), lambda k: (k0 + k, ni)))
+                operands.append(s_ref.at[e])
+            pipeline = lambda step, **carry: plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs,
+                                                                  max_concurrent_steps=stages, **carry)(*operands)
+            if mma:
+                def mma_step(_, x_smem, w_smem, s_smem, acc):
+                    codes = plgpu.load(w_smem, layout=plgpu.Layout.MMA_LHS(jnp.uint8))
+                    rows = [plgpu.load(s_smem.at[c], layout=ROW_LAYOUT, optimized=False) for c in range(n_scale)]
+                    return plgpu.mma(acc, fmt.decode_mma_tile(codes, rows),
+                                     plgpu.load(x_smem.T, layout=plgpu.Layout.MMA_RHS(mma_dtype)))
+
+                zero = plgpu.layout_cast(jnp.zeros((TN, tm), jnp.float32), plgpu.Layout.MMA_ACC(mma_dtype))
+                o_ref.at[s, b, pl.ds(ni * TN, TN), :][...] = pipeline(mma_step, init_carry=zero)
+                return
+
             def acc_scope(*accs):
                 def step(_, x_smem, w_smem, *s_smem):
                     for j, acc in enumerate(accs):  # tile j's decode overlaps tile j-1's wgmma
@@ -123,7 +152,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                             a = w_tile
                         else:
                             codes = plgpu.load(w_tile, layout=plgpu.Layout.WGMMA)
-                            rows = [plgpu.load(s_smem[0].at[c, pl.ds(j * TN, TN)], layout=_ROW, optimized=False)
+                            rows = [plgpu.load(s_smem[0].at[c, pl.ds(j * TN, TN)], layout=ROW_LAYOUT, optimized=False)
                                     for c in range(n_scale)]
                             a = fmt.decode_tile(codes, rows, ptx, mma_dtype)
                             if stage_a:  # one staging buffer: the previous tile's wgmma must be done with it
@@ -134,14 +163,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                         plgpu.wgmma(acc, a, x_smem.T)
                     plgpu.wgmma_wait(0)
 
-                k0 = s * steps
-                specs = [plgpu.BlockSpec((tm, tkx), lambda k: (0, k0 + k), transforms=_smem_transforms(mma_dtype, tkx)),
-                         plgpu.BlockSpec((tn, tk), lambda k: (ni, k0 + k), transforms=_weight_transforms(fmt, w, tk))]
-                operands = [x_ref.at[b if x_blocks > 1 else 0], w_ref.at[e]]
-                if n_scale:
-                    specs.append(plgpu.BlockSpec((n_scale, tn), lambda k: (k0 + k, ni)))
-                    operands.append(s_ref.at[e])
-                plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*operands)
+                pipeline(step)
                 return tuple(acc[...] for acc in accs)
 
             accs = pl.run_scoped(acc_scope, *[plgpu.ACC((TN, tm))] * tiles)
@@ -158,11 +180,12 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                     store()
 
     kernel = plgpu.kernel(
-        wgemm,
-        out_type=jax.ShapeDtypeStruct((splits, num_blocks, tm, n), jnp.float32),
+        wgemm,  # the mma path stores its [64, tm] accumulators as they are: [N, tm] blocks, swapped below
+        out_type=jax.ShapeDtypeStruct((splits, num_blocks) + ((n, tm) if mma else (tm, n)), jnp.float32),
         grid=(-(-n // tn), num_blocks, splits),
         grid_names=("n", "b", "s"),
         scratch_types=[plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [],
         interpret=interpret,
     )
-    return kernel(eid, x, w, *((scale,) if n_scale else ()))
+    out = kernel(eid, x, w, *((scale,) if n_scale else ()))
+    return out.swapaxes(-1, -2) if mma else out

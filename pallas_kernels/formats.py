@@ -92,34 +92,52 @@ def _bf16_decode_ptx() -> dict[str, list[str]]:
 DECODE_PTX = {jnp.dtype(jnp.float16): _f16_decode_ptx(), jnp.dtype(jnp.bfloat16): _bf16_decode_ptx()}
 
 
+def _word_decoder(dtype):
+    """decode(word) for MLIR i32 values of four codes (GPU kernels only): {"lo": ..., "hi": ...}, each the
+    DECODE_PTX program's (bytes 0, 1) and (bytes 2, 3) value pairs as vector<2 x dtype> registers."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.extend.mlir import ir
+    from jaxlib.mlir.dialects import llvm
+
+    ptx = {k: "\n".join(["{", ".reg .b32 %nv_a, %nv_b, %nv_u, %nv_w, %nv_r0, %nv_r1;", ".reg .b16 %nv_h0, %nv_h1;",
+                         *body, "mov.b64 $0, {%nv_r0, %nv_r1};", "}"])
+           for k, body in DECODE_PTX[jnp.dtype(dtype)].items()}
+
+    def decode(word):
+        i64 = ir.IntegerType.get_signless(64)
+        x4 = ir.VectorType.get((4,), ir.F16Type.get() if dtype == jnp.float16 else ir.BF16Type.get())
+        out = {}
+        for k, asm in ptx.items():
+            res = mgpu.utils.bitcast(llvm.inline_asm(i64, [word], asm, "=l,r"), x4)
+            out[k] = (mgpu.utils.vector_slice(res, slice(0, 2)), mgpu.utils.vector_slice(res, slice(2, 4)))
+        return out
+
+    return decode
+
+
 def _ptx_decode(codes: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """uint8 codes on Mosaic GPU registers -> their (low-nibble, high-nibble) values in dtype: DECODE_PTX's
     programs run on every pair of WGMMA-layout registers (a 32-bit word $1 of four codes), the results in
     codes' layout. GPU only (the interpreter has no PTX; e2m1_pair_to_f16 is the float16 decode's model)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.extend.mlir import ir
-    from jaxlib.mlir.dialects import llvm
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    ptx = {k: "\n".join(["{", ".reg .b32 %nv_a, %nv_b, %nv_u, %nv_w, %nv_r0, %nv_r1;", ".reg .b16 %nv_h0, %nv_h1;",
-                         *body, "mov.b64 $0, {%nv_r0, %nv_r1};", "}"])
-           for k, body in DECODE_PTX[jnp.dtype(dtype)].items()}
+    decode_word = _word_decoder(dtype)
     out_ty = plgpu.ShapeDtypeStruct(codes.shape, dtype, layout=plgpu.Layout.WGMMA)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out_ty, out_ty))
     def decode(_, c):
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        x4 = ir.VectorType.get((4,), ir.F16Type.get() if dtype == jnp.float16 else ir.BF16Type.get())
+        i32 = ir.IntegerType.get_signless(32)
         regs = list(c.registers.flat)
         if len(regs) % 2:
             raise ValueError(f"PTX e2m1 decode pairs registers: got {len(regs)} for shape {c.shape}")
-        outs = {k: [] for k in ptx}
+        outs = {"lo": [], "hi": []}
         for i in range(0, len(regs), 2):
             pair = mgpu.utils.vector_concat(regs[i:i + 2])  # vector<4xi8>
-            word = mgpu.utils.bitcast(pair, i32)
-            for k, asm in ptx.items():
-                res = mgpu.utils.bitcast(llvm.inline_asm(i64, [word], asm, "=l,r"), x4)
-                outs[k] += [mgpu.utils.vector_slice(res, slice(0, 2)), mgpu.utils.vector_slice(res, slice(2, 4))]
+            for k, values in decode_word(mgpu.utils.bitcast(pair, i32)).items():
+                outs[k] += values
+
         def array(registers):
             grid = np.empty(len(registers), dtype=object)
             grid[:] = registers
@@ -129,6 +147,65 @@ def _ptx_decode(codes: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
         return array(outs["lo"]), array(outs["hi"])
 
     return decode(codes)
+
+
+MMA_K_CHUNK = 32  # weight values (16 code bytes, two NVFP4 blocks) the mma operand's K order permutes within
+
+
+def mma_k_order(x: jax.Array) -> jax.Array:
+    """x [..., K] (K % MMA_K_CHUNK == 0) in the K order of _ptx_decode_mma's operand: within each chunk of 32,
+    position 16s + 8h + 4t1 + 2t0 + e takes element 16t1 + 8s + 4t0 + 2h + e (five index bits permuted:
+    a reshape and a transpose). The product over K is the same in either order."""
+    *lead, k = x.shape
+    chunks = x.reshape(*lead, k // MMA_K_CHUNK, 2, 2, 2, 2, 2)  # (t1, s, t0, h, e)
+    n = len(lead) + 1
+    return chunks.transpose(*range(n), n + 1, n + 3, n, n + 2, n + 4).reshape(x.shape)
+
+
+def mma_operand_register(tile: int, half: int, rh: int, nibble: int, h: int) -> tuple[int, ...]:
+    """Where _ptx_decode_mma puts a decoded value pair: the codes register [0, tile, 0, half, rh] of
+    MMA_LHS(uint8) (row 16 warp + 8 rh + lane // 4, bytes 32 tile + 16 half + 4 (lane % 4) .. + 3), its
+    low (nibble 0) or high (1) nibbles' pair h (bytes 2h, 2h + 1) -> the index of the bfloat16 MMA_LHS
+    register [0, f, 0, h, rh] (the same row, columns 16 f + 8 h + 2 (lane % 4) + {0, 1})."""
+    return (0, 2 * (2 * tile + half) + nibble, 0, h, rh, 0, 0, 0, 0)
+
+
+def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
+    """codes [64, 16c] uint8 in MMA_LHS(uint8) layout (m16n8k32's 8-bit A operand: a thread holds four
+    adjacent bytes of a row, all of one 8-byte NVFP4 block), scales: 2c bfloat16 block-scale rows [64]
+    (_wgemm.ROW_LAYOUT, one per block) -> the [64, 32c] bfloat16 A operand of warp-level mma (m16n8k16, MMA_LHS
+    layout), its K order mma_k_order's: each register's word decodes (DECODE_PTX) into the four value
+    pairs a thread holds of two 16-column operand tiles, so no value moves between threads. Lanes 0-1 of a
+    row's four read the chunk's first block, lanes 2-3 its second: the scale is picked per lane. GPU only."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.extend.mlir import ir
+    from jaxlib.mlir.dialects import arith
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels._wgemm import ROW_LAYOUT
+
+    decode_word = _word_decoder(jnp.bfloat16)
+    out_ty = plgpu.ShapeDtypeStruct((codes.shape[0], 2 * codes.shape[1]), jnp.bfloat16,
+                                    layout=plgpu.Layout.MMA_LHS(jnp.bfloat16))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.MMA_LHS(jnp.uint8), *[ROW_LAYOUT] * len(scales)), return_type=out_ty)
+    def decode(_, c, *rows):
+        i32 = ir.IntegerType.get_signless(32)
+        lane = arith.remui(mgpu.utils.thread_idx(), mgpu.utils.c(32, i32))
+        second = arith.cmpi(arith.CmpIPredicate.uge, arith.remui(lane, mgpu.utils.c(4, i32)), mgpu.utils.c(2, i32))
+        layout = mgpu.MMALayouts(jnp.bfloat16, m_warps=4).lhs
+        out = np.empty(layout.registers_shape(out_ty.shape), dtype=object)
+        for (_, tile, _, half, rh, *_), word in np.ndenumerate(c.registers):
+            chunk = 2 * tile + half
+            first_s, second_s = rows[2 * chunk].registers.flat[rh], rows[2 * chunk + 1].registers.flat[rh]
+            scale = arith.select(second, second_s, first_s)
+            scale = mgpu.utils.vector_concat([scale, scale])
+            decoded = decode_word(mgpu.utils.bitcast(word, i32))
+            for nibble, k in enumerate(("lo", "hi")):
+                for h, pair in enumerate(decoded[k]):
+                    out[mma_operand_register(tile, half, rh, nibble, h)] = arith.mulf(pair, scale)
+        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return decode(codes, *scales)
 
 
 def e2m1_round(a: jax.Array) -> jax.Array:
@@ -340,6 +417,15 @@ class NVFP4Weight:
         if operand.dtype == dtype:
             return operand
         return operand.astype(dtype) * jnp.asarray(unit / E2M1_UNIT, dtype)
+
+    @staticmethod
+    def decode_mma_tile(codes: jax.Array, scale_rows: list[jax.Array]) -> jax.Array:
+        """codes [64, 8g] uint8 in MMA_LHS(uint8) layout (g even), scale_rows: g e4m3 block scales [64] ->
+        the [64, 16g] bfloat16 A operand of warp-level mma, K in mma_k_order, values as decode_tile's
+        bfloat16 operand (times operand_unit(bfloat16)). GPU only (PTX)."""
+        unit = NVFP4Weight.operand_unit(jnp.bfloat16)
+        rows = [(r.astype(jnp.float16).astype(jnp.float32) * (unit * 2.0**126)).astype(jnp.bfloat16) for r in scale_rows]
+        return _ptx_decode_mma(codes, rows)
 
 
 @functools.partial(jax.jit, static_argnames="to_kernel")

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts
-from pallas_kernels.formats import DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16
+from pallas_kernels.formats import (DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16, mma_k_order,
+                                    mma_operand_register)
 from pallas_kernels._backend import num_sms
 from pallas_kernels import _blocked
 from pallas_kernels._blocked import Tiling, _plan
@@ -145,6 +146,66 @@ def test_ptx_decode_programs(dtype):
             else:
                 want = (np.asarray(E2M1_VALUES[nibbles] * 2.0**-126, np.float32).view(np.uint32) >> 16).astype(np.uint16)
             np.testing.assert_array_equal(got, want, err_msg=f"{k} of {word}")
+
+
+def test_mma_operand_is_the_weight_in_mma_k_order():
+    """The warp-level mma decode (GPU only) modelled thread by thread from the PTX ISA's fragments: each
+    lane's m16n8k32 8-bit A word (row g or g + 8 of its warp's 16, bytes 4t..4t+3 of a 16-byte chunk; g =
+    lane // 4, t = lane % 4) run through the bfloat16 PTX programs, times its block's scale, put where
+    mma_operand_register says, read back as m16n8k16 bfloat16 A fragments (columns 2t, 2t + 1 and
+    2t + 8, 2t + 9 of a 16-column tile): the operand is decode_tile's bfloat16 operand in mma_k_order."""
+    rng = _rng(25)
+    w = WEIGHTS["nvfp4"](rng, (), 64, 128)  # one 64-row tile, two 32-byte MMA_LHS(uint8) tiles
+    codes, scales = np.asarray(w.packed), np.asarray(w.scale)  # [64, 64] uint8, [8, 64] e4m3
+    unit = NVFP4Weight.operand_unit(jnp.bfloat16)
+    bf16_bits = lambda bits: np.asarray(np.asarray(bits, np.uint32) << 16, np.uint32).view(np.float32)
+    operand = np.zeros((64, 128), np.float32)
+    for warp, lane, tile, half, rh in np.ndindex(4, 32, 2, 2, 2):
+        g, t = lane // 4, lane % 4
+        row, byte = 16 * warp + 8 * rh + g, 32 * tile + 16 * half + 4 * t
+        word = int(codes[row, byte:byte + 4].view(np.uint32)[0])
+        scale = np.float32(scales[byte // 8, row].astype(np.float32)) * np.float32(unit * 2.0**126)
+        for nibble, k in enumerate(("lo", "hi")):
+            r0, r1 = _run_ptx(DECODE_PTX[jnp.dtype(jnp.bfloat16)][k], word)
+            for h, pair in enumerate((r0, r1)):
+                _, f, _, h_out, rh_out, *_ = mma_operand_register(tile, half, rh, nibble, h)
+                assert (h_out, rh_out) == (h, rh)
+                col = 16 * f + 8 * h_out + 2 * t
+                operand[row, col:col + 2] = bf16_bits([pair & 0xFFFF, pair >> 16]) * scale
+    want = np.asarray(dequantize(dataclasses.replace(w, global_scale=jnp.float32(1.0))), np.float64) * unit  # exact
+    np.testing.assert_array_equal(operand, np.asarray(mma_k_order(jnp.asarray(want))))
+
+
+def test_mma_k_order_is_a_permutation_within_chunks():
+    """mma_k_order moves elements only within chunks of 32, each chunk by the same permutation, so a
+    product over K is unchanged (x and the operand permuted alike)."""
+    order = np.asarray(mma_k_order(jnp.arange(96)))
+    assert sorted(order[:32]) == list(range(32)) and (order[32:64] == order[:32] + 32).all()
+    rng = _rng(26)
+    a, b = rng.normal(size=(3, 96)), rng.normal(size=(96,))
+    np.testing.assert_array_equal(np.asarray(mma_k_order(jnp.asarray(a, jnp.float32))), a.astype(np.float32)[:, order])
+    np.testing.assert_allclose(a[:, order] @ b[order], a @ b, rtol=1e-12)
+
+
+@pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its PTX decode run on the GPU only")
+def test_mma_sync_products():
+    """Tiling.mma_sync on the GPU: NVFP4 products of 1, 5 and 8 rows (one 8-row block), a split-K plan,
+    one and three tokens' experts, against the float64 reference as the wgmma path is."""
+    rng = _rng(27)
+    w = WEIGHTS["nvfp4"](rng, (), 192, 640)
+    up, down = WEIGHTS["nvfp4"](rng, (4,), 192, 640), WEIGHTS["nvfp4"](rng, (4,), 640, 192)
+    for rows in (1, 5, 8):
+        x = _x(rng, (rows, 640), jnp.bfloat16)
+        for tiling in (Tiling(mma_sync=True), Tiling(mma_sync=True, decode_ctas_per_sm=2, ctas_per_sm=1)):
+            _check(linear(x, w, impl=IMPL, tiling=tiling), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16],
+                   f"{rows} rows, {tiling}")
+    for tokens in (1, 3):
+        x = _x(rng, (tokens, 640), jnp.bfloat16)
+        idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
+        weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+        want = moe_experts(x, idx, weight, up, down, impl="xla")
+        _check(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(mma_sync=True)), _f64(want),
+               TOL_XLA, f"{tokens} tokens")
 
 
 def test_row_scaling_is_frexp_and_ldexp():
@@ -375,7 +436,8 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=Tiling(unpadded_rows=False))),
                       platforms=["cuda"])(_x(rng, (rows, 2688), jnp.bfloat16), w)
     for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(bf16_operands=False)),
-                           (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False))):
+                           (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False)),
+                           (1, Tiling(mma_sync=True)), (3, Tiling(mma_sync=True))):
         experts(tokens, tiling)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
     # 128-row blocks is the largest pipeline (FP8: 224 KiB of the 227 KiB of shared memory)
