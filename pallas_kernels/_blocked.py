@@ -27,7 +27,7 @@ from jax import lax
 
 from pallas_kernels._backend import interpret_params, num_sms
 from pallas_kernels._wgemm import TN, X_TILE, weight_gemm
-from pallas_kernels.formats import MMA_K_CHUNK, Weight, is_quantized, mma_k_order
+from pallas_kernels.formats import Weight, is_quantized
 
 ROW_ALIGN = 32  # bytes: weight rows must hold whole 32-byte swizzle tiles
 MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are streamed as they are
@@ -209,9 +209,9 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, 
     if fmt is not None:
         post = post / fmt.operand_unit(x.dtype)
     mma = (tiling.mma_sync and impl == "pallas" and hasattr(fmt, "decode_mma_tile") and x.dtype == jnp.bfloat16
-           and tm == DECODE_BLOCK_ROWS and tiles == 1 and tk % 32 == 0 and k % MMA_K_CHUNK == 0)
+           and tm == DECODE_BLOCK_ROWS and tiles == 1 and tk % 32 == 0 and k % getattr(fmt, "MMA_K_CHUNK", 1) == 0)
     if mma:  # the decoded weight's K order
-        x = mma_k_order(x)
+        x = fmt.mma_k_order(x)
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,

@@ -29,8 +29,8 @@ stage_a: decoded A operands go registers -> SMEM -> wgmma instead of straight fr
 interpreter only models SMEM operands, so interpret mode always stages. ptx: the format's hand-written
 PTX decode (GPU only; interpret mode runs the same decode in jnp). mma: blocks of 8 rows multiply with
 warp-level mma (m16n8k16, each warp 16 weight rows, its accumulator in registers across K steps) instead
-of wgmma, the weight decoded straight into mma's A layout (`decode_mma_tile`, K in the format's
-mma_k_order: the caller permutes x alike). GPU only (the interpreter runs neither mma nor PTX).
+of wgmma, the weight decoded straight into mma's A layout (the format's `decode_mma_tile`, K in its
+`mma_k_order`: the caller permutes x alike). GPU only (the interpreter runs neither mma nor PTX).
 """
 
 from __future__ import annotations

@@ -149,19 +149,6 @@ def _ptx_decode(codes: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return decode(codes)
 
 
-MMA_K_CHUNK = 32  # weight values (16 code bytes, two NVFP4 blocks) the mma operand's K order permutes within
-
-
-def mma_k_order(x: jax.Array) -> jax.Array:
-    """x [..., K] (K % MMA_K_CHUNK == 0) in the K order of _ptx_decode_mma's operand: within each chunk of 32,
-    position 16s + 8h + 4t1 + 2t0 + e takes element 16t1 + 8s + 4t0 + 2h + e (five index bits permuted:
-    a reshape and a transpose). The product over K is the same in either order."""
-    *lead, k = x.shape
-    chunks = x.reshape(*lead, k // MMA_K_CHUNK, 2, 2, 2, 2, 2)  # (t1, s, t0, h, e)
-    n = len(lead) + 1
-    return chunks.transpose(*range(n), n + 1, n + 3, n, n + 2, n + 4).reshape(x.shape)
-
-
 def mma_operand_register(tile: int, half: int, rh: int, nibble: int, h: int) -> tuple[int, ...]:
     """Where _ptx_decode_mma puts a decoded value pair: the codes register [0, tile, 0, half, rh] of
     MMA_LHS(uint8) (row 16 warp + 8 rh + lane // 4, bytes 32 tile + 16 half + 4 (lane % 4) .. + 3), its
@@ -173,10 +160,11 @@ def mma_operand_register(tile: int, half: int, rh: int, nibble: int, h: int) -> 
 def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
     """codes [64, 16c] uint8 in MMA_LHS(uint8) layout (m16n8k32's 8-bit A operand: a thread holds four
     adjacent bytes of a row, all of one 8-byte NVFP4 block), scales: 2c bfloat16 block-scale rows [64]
-    (_wgemm.ROW_LAYOUT, one per block) -> the [64, 32c] bfloat16 A operand of warp-level mma (m16n8k16, MMA_LHS
-    layout), its K order mma_k_order's: each register's word decodes (DECODE_PTX) into the four value
-    pairs a thread holds of two 16-column operand tiles, so no value moves between threads. Lanes 0-1 of a
-    row's four read the chunk's first block, lanes 2-3 its second: the scale is picked per lane. GPU only."""
+    (_wgemm.ROW_LAYOUT, one per block) -> the [64, 32c] bfloat16 A operand of warp-level mma (m16n8k16,
+    MMA_LHS layout), its K order NVFP4Weight.mma_k_order's: each register's word decodes (DECODE_PTX) into the
+    four value pairs a thread holds of two 16-column operand tiles, so no value moves between threads.
+    Lanes 0-1 of a row's four read the chunk's first block, lanes 2-3 its second: the scale is picked per
+    lane. GPU only."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.extend.mlir import ir
     from jaxlib.mlir.dialects import arith
@@ -329,6 +317,7 @@ class NVFP4Weight:
 
     K_PER_ELEMENT: ClassVar[int] = 2
     ELEMENTS_PER_SCALE_ROW: ClassVar[int | None] = _GROUP_BYTES
+    MMA_K_CHUNK: ClassVar[int] = 32  # weight values (16 code bytes, two blocks) mma_k_order permutes within
     # packed's in dim holds in/2 bytes, scale's (transposed) in dim in/16 blocks
     LEAF_DIMS: ClassVar[dict[str, tuple[str, ...]]] = {"packed": ("*", "out", "in"), "scale": ("*", "in", "out"),
                                                        "global_scale": ("*",), "input_scale": ("*",)}
@@ -419,12 +408,23 @@ class NVFP4Weight:
         return operand.astype(dtype) * jnp.asarray(unit / E2M1_UNIT, dtype)
 
     @staticmethod
+    def mma_k_order(x: jax.Array) -> jax.Array:
+        """x [..., K] (K % MMA_K_CHUNK == 0) in the K order of decode_mma_tile's operand: within each chunk of
+        32, position 16s + 8h + 4t1 + 2t0 + e takes element 16t1 + 8s + 4t0 + 2h + e (five index bits
+        permuted: a reshape and a transpose). A product over K is the same in either order."""
+        *lead, k = x.shape
+        chunks = x.reshape(*lead, k // NVFP4Weight.MMA_K_CHUNK, 2, 2, 2, 2, 2)  # (t1, s, t0, h, e)
+        n = len(lead) + 1
+        return chunks.transpose(*range(n), n + 1, n + 3, n, n + 2, n + 4).reshape(x.shape)
+
+    @staticmethod
     def decode_mma_tile(codes: jax.Array, scale_rows: list[jax.Array]) -> jax.Array:
         """codes [64, 8g] uint8 in MMA_LHS(uint8) layout (g even), scale_rows: g e4m3 block scales [64] ->
         the [64, 16g] bfloat16 A operand of warp-level mma, K in mma_k_order, values as decode_tile's
         bfloat16 operand (times operand_unit(bfloat16)). GPU only (PTX)."""
         unit = NVFP4Weight.operand_unit(jnp.bfloat16)
-        rows = [(r.astype(jnp.float16).astype(jnp.float32) * (unit * 2.0**126)).astype(jnp.bfloat16) for r in scale_rows]
+        rows = [(r.astype(jnp.float16).astype(jnp.float32) * (unit * 2.0**126)).astype(jnp.bfloat16)
+                for r in scale_rows]
         return _ptx_decode_mma(codes, rows)
 
 

@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts
-from pallas_kernels.formats import (DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16, mma_k_order,
-                                    mma_operand_register)
+from pallas_kernels.formats import DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16, mma_operand_register
 from pallas_kernels._backend import num_sms
 from pallas_kernels import _blocked
 from pallas_kernels._blocked import Tiling, _plan
@@ -173,17 +172,18 @@ def test_mma_operand_is_the_weight_in_mma_k_order():
                 col = 16 * f + 8 * h_out + 2 * t
                 operand[row, col:col + 2] = bf16_bits([pair & 0xFFFF, pair >> 16]) * scale
     want = np.asarray(dequantize(dataclasses.replace(w, global_scale=jnp.float32(1.0))), np.float64) * unit  # exact
-    np.testing.assert_array_equal(operand, np.asarray(mma_k_order(jnp.asarray(want))))
+    np.testing.assert_array_equal(operand, np.asarray(NVFP4Weight.mma_k_order(jnp.asarray(want))))
 
 
 def test_mma_k_order_is_a_permutation_within_chunks():
     """mma_k_order moves elements only within chunks of 32, each chunk by the same permutation, so a
     product over K is unchanged (x and the operand permuted alike)."""
-    order = np.asarray(mma_k_order(jnp.arange(96)))
+    order = np.asarray(NVFP4Weight.mma_k_order(jnp.arange(96)))
     assert sorted(order[:32]) == list(range(32)) and (order[32:64] == order[:32] + 32).all()
     rng = _rng(26)
     a, b = rng.normal(size=(3, 96)), rng.normal(size=(96,))
-    np.testing.assert_array_equal(np.asarray(mma_k_order(jnp.asarray(a, jnp.float32))), a.astype(np.float32)[:, order])
+    permuted = np.asarray(NVFP4Weight.mma_k_order(jnp.asarray(a, jnp.float32)))
+    np.testing.assert_array_equal(permuted, a.astype(np.float32)[:, order])
     np.testing.assert_allclose(a[:, order] @ b[order], a @ b, rtol=1e-12)
 
 
@@ -376,7 +376,8 @@ def test_one_token_experts_share_the_activation_preparation(fmt):
 
     args = (x[:1], jnp.asarray(EXPERT_IDX[2:3]), weight[:1], up, down, shared_up, shared_down)
     hlo = jax.jit(layer).lower(*args).compile().as_text()
-    row_maxima = [s for s in re.findall(r"= f32\[([\d,]*)\]\S* reduce\(", hlo) if not s.endswith(f",{H}")]  # not y's sum
+    reduced = re.findall(r"= f32\[([\d,]*)\]\S* reduce\(", hlo)
+    row_maxima = [shape for shape in reduced if not shape.endswith(f",{H}")]  # [T, H]: the weighted sum
     assert len(row_maxima) == 3, row_maxima
 
 
