@@ -61,11 +61,11 @@ class Tiling:
     a zero-padded copy: at batch 1 an XLA launch fewer before each of ~105 weight kernels a step, same
     products (H100, NANO_NVFP4, gated, interleaved calls: batch 1 2.584 -> 2.547 ms, batch 32 unchanged).
 
-    mma_sync, untimed and off until measured: NVFP4 weights at blocks of up to 8 rows multiply with
-    warp-level mma (m16n8k16) instead of wgmma (_wgemm's mma), on the GPU only (the interpreter keeps
+    mma_sync, untimed and off until measured: NVFP4 and FP8 weights at blocks of up to 8 rows multiply
+    with warp-level mma (m16n8k16) instead of wgmma (_wgemm's mma), on the GPU only (the interpreter keeps
     wgmma). At M=1 the wgmma kernel moves ~2.9 G NVFP4 values a ms on an H100 whatever its decode costs
-    (a third of the decode's work gave the same rate), 58% of the bytes the HBM could deliver; mma's
-    native 8-column N and its register accumulator may not share that ceiling."""
+    (a third of the decode's work gave the same rate), 58% of the bytes the HBM could deliver, and FP8
+    ~2.8 G; mma's native 8-column N and its register accumulator may not share that ceiling."""
 
     tk: int | None = None
     stages: int = 4

@@ -134,9 +134,10 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
             pipeline = lambda step, **carry: plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs,
                                                                   max_concurrent_steps=stages, **carry)(*operands)
             if mma:
-                def mma_step(_, x_smem, w_smem, s_smem, acc):
+                def mma_step(_, x_smem, w_smem, *s_smem_acc):
+                    *s_smem, acc = s_smem_acc
                     codes = plgpu.load(w_smem, layout=plgpu.Layout.MMA_LHS(jnp.uint8))
-                    rows = [plgpu.load(s_smem.at[c], layout=ROW_LAYOUT, optimized=False) for c in range(n_scale)]
+                    rows = [plgpu.load(s_smem[0].at[c], layout=ROW_LAYOUT, optimized=False) for c in range(n_scale)]
                     return plgpu.mma(acc, fmt.decode_mma_tile(codes, rows),
                                      plgpu.load(x_smem.T, layout=plgpu.Layout.MMA_RHS(mma_dtype)))
 

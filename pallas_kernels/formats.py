@@ -149,12 +149,36 @@ def _ptx_decode(codes: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return decode(codes)
 
 
-def mma_operand_register(tile: int, half: int, rh: int, nibble: int, h: int) -> tuple[int, ...]:
-    """Where _ptx_decode_mma puts a decoded value pair: the codes register [0, tile, 0, half, rh] of
-    MMA_LHS(uint8) (row 16 warp + 8 rh + lane // 4, bytes 32 tile + 16 half + 4 (lane % 4) .. + 3), its
-    low (nibble 0) or high (1) nibbles' pair h (bytes 2h, 2h + 1) -> the index of the bfloat16 MMA_LHS
-    register [0, f, 0, h, rh] (the same row, columns 16 f + 8 h + 2 (lane % 4) + {0, 1})."""
-    return (0, 2 * (2 * tile + half) + nibble, 0, h, rh, 0, 0, 0, 0)
+def mma_operand_register(tile: int, half: int, rh: int, h: int, nibble: int | None = None) -> tuple[int, ...]:
+    """Where a decoded value pair goes in warp-level mma's A operand: from the 8-bit codes register
+    [0, tile, 0, half, rh] of MMA_LHS(uint8) (row 16 warp + 8 rh + lane // 4, bytes 32 tile + 16 half +
+    4 (lane % 4) .. + 3), the pair h (bytes 2h, 2h + 1; of their low (nibble 0) or high (1) nibbles for
+    packed 4-bit codes) -> the index of the bfloat16 MMA_LHS register [0, f, 0, h, rh] (the same row,
+    columns 16 f + 8 h + 2 (lane % 4) + {0, 1}). A 16-byte chunk fills one 16-column tile with 8-bit
+    codes, two with 4-bit ones."""
+    chunk = 2 * tile + half
+    return (0, chunk if nibble is None else 2 * chunk + nibble, 0, h, rh, 0, 0, 0, 0)
+
+
+def _mma_operand(values: jax.Array) -> jax.Array:
+    """values [64, 16c] bfloat16 in MMA_LHS(uint8)'s layout (what converting 8-bit codes loaded in it
+    gives: four adjacent columns of a row a thread) -> warp-level mma's bfloat16 A operand (MMA_LHS),
+    K in FP8Weight.mma_k_order: each thread's value pairs relabelled, none moved. GPU only."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    out_ty = plgpu.ShapeDtypeStruct(values.shape, jnp.bfloat16, layout=plgpu.Layout.MMA_LHS(jnp.bfloat16))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.MMA_LHS(jnp.uint8),), return_type=out_ty)
+    def relabel(_, v):
+        layout = mgpu.MMALayouts(jnp.bfloat16, m_warps=4).lhs
+        out = np.empty(layout.registers_shape(out_ty.shape), dtype=object)
+        for (_, tile, _, half, rh, *_), quad in np.ndenumerate(v.registers):
+            for h in range(2):
+                out[mma_operand_register(tile, half, rh, h)] = mgpu.utils.vector_slice(quad, slice(2 * h, 2 * h + 2))
+        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return relabel(values)
 
 
 def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
@@ -190,7 +214,7 @@ def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
             decoded = decode_word(mgpu.utils.bitcast(word, i32))
             for nibble, k in enumerate(("lo", "hi")):
                 for h, pair in enumerate(decoded[k]):
-                    out[mma_operand_register(tile, half, rh, nibble, h)] = arith.mulf(pair, scale)
+                    out[mma_operand_register(tile, half, rh, h, nibble)] = arith.mulf(pair, scale)
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
 
     return decode(codes, *scales)
@@ -294,6 +318,23 @@ class FP8Weight:
         a pair; bfloat16: through float16)."""
         f16 = codes.astype(jnp.float16)
         return f16 if dtype == jnp.float16 else f16.astype(dtype)
+
+    MMA_K_CHUNK: ClassVar[int] = 16  # weight values mma_k_order permutes within
+
+    @staticmethod
+    def mma_k_order(x: jax.Array) -> jax.Array:
+        """x [..., K] (K % MMA_K_CHUNK == 0) in the K order of decode_mma_tile's operand: within each chunk of
+        16, position 8h + 4t1 + 2t0 + e takes element 8t1 + 4t0 + 2h + e (a reshape and a transpose)."""
+        *lead, k = x.shape
+        chunks = x.reshape(*lead, k // FP8Weight.MMA_K_CHUNK, 2, 2, 2, 2)  # (t1, t0, h, e)
+        n = len(lead) + 1
+        return chunks.transpose(*range(n), n + 2, n, n + 1, n + 3).reshape(x.shape)
+
+    @staticmethod
+    def decode_mma_tile(codes: jax.Array, scale_rows: list[jax.Array]) -> jax.Array:
+        """codes [64, tk] e4m3 in MMA_LHS(uint8) layout (tk % 32 == 0), no scale rows -> the [64, tk]
+        bfloat16 A operand of warp-level mma, K in mma_k_order, values as decode_tile's. GPU only."""
+        return _mma_operand(codes.astype(jnp.float16).astype(jnp.bfloat16))
 
 
 @jax.tree_util.register_dataclass

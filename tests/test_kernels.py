@@ -167,7 +167,7 @@ def test_mma_operand_is_the_weight_in_mma_k_order():
         for nibble, k in enumerate(("lo", "hi")):
             r0, r1 = _run_ptx(DECODE_PTX[jnp.dtype(jnp.bfloat16)][k], word)
             for h, pair in enumerate((r0, r1)):
-                _, f, _, h_out, rh_out, *_ = mma_operand_register(tile, half, rh, nibble, h)
+                _, f, _, h_out, rh_out, *_ = mma_operand_register(tile, half, rh, h, nibble)
                 assert (h_out, rh_out) == (h, rh)
                 col = 16 * f + 8 * h_out + 2 * t
                 operand[row, col:col + 2] = bf16_bits([pair & 0xFFFF, pair >> 16]) * scale
@@ -175,25 +175,47 @@ def test_mma_operand_is_the_weight_in_mma_k_order():
     np.testing.assert_array_equal(operand, np.asarray(NVFP4Weight.mma_k_order(jnp.asarray(want))))
 
 
+def test_fp8_mma_operand_is_the_weight_in_mma_k_order():
+    """The same model for FP8 codes (converted in registers, then relabelled): each lane's four e4m3 bytes
+    of a row, as bfloat16 pairs where mma_operand_register says, read back as m16n8k16 A fragments, give
+    the e4m3 values in FP8Weight.mma_k_order."""
+    rng = _rng(28)
+    w = WEIGHTS["fp8"](rng, (), 64, 64)
+    codes = np.asarray(w.data.astype(jnp.float32))  # [64, 64]: the e4m3 values, exact in bfloat16
+    operand = np.zeros((64, 64), np.float32)
+    for warp, lane, tile, half, rh in np.ndindex(4, 32, 2, 2, 2):
+        g, t = lane // 4, lane % 4
+        row, byte = 16 * warp + 8 * rh + g, 32 * tile + 16 * half + 4 * t
+        for h in range(2):
+            _, f, _, h_out, rh_out, *_ = mma_operand_register(tile, half, rh, h)
+            col = 16 * f + 8 * h_out + 2 * t
+            operand[row, col:col + 2] = codes[row, byte + 2 * h:byte + 2 * h + 2]
+    np.testing.assert_array_equal(operand, np.asarray(FP8Weight.mma_k_order(jnp.asarray(codes))))
+
+
 def test_mma_k_order_is_a_permutation_within_chunks():
-    """mma_k_order moves elements only within chunks of 32, each chunk by the same permutation, so a
-    product over K is unchanged (x and the operand permuted alike)."""
-    order = np.asarray(NVFP4Weight.mma_k_order(jnp.arange(96)))
-    assert sorted(order[:32]) == list(range(32)) and (order[32:64] == order[:32] + 32).all()
+    """Each format's mma_k_order moves elements only within its chunks, each chunk by the same
+    permutation, so a product over K is unchanged (x and the operand permuted alike)."""
     rng = _rng(26)
     a, b = rng.normal(size=(3, 96)), rng.normal(size=(96,))
-    permuted = np.asarray(NVFP4Weight.mma_k_order(jnp.asarray(a, jnp.float32)))
-    np.testing.assert_array_equal(permuted, a.astype(np.float32)[:, order])
-    np.testing.assert_allclose(a[:, order] @ b[order], a @ b, rtol=1e-12)
+    for fmt in (NVFP4Weight, FP8Weight):
+        c = fmt.MMA_K_CHUNK
+        order = np.asarray(fmt.mma_k_order(jnp.arange(96)))
+        assert sorted(order[:c]) == list(range(c)) and (order[c:2 * c] == order[:c] + c).all()
+        assert (order != np.arange(96)).any()
+        permuted = np.asarray(fmt.mma_k_order(jnp.asarray(a, jnp.float32)))
+        np.testing.assert_array_equal(permuted, a.astype(np.float32)[:, order])
+        np.testing.assert_allclose(a[:, order] @ b[order], a @ b, rtol=1e-12)
 
 
 @pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its PTX decode run on the GPU only")
-def test_mma_sync_products():
-    """Tiling.mma_sync on the GPU: NVFP4 products of 1, 5 and 8 rows (one 8-row block), a split-K plan,
-    one and three tokens' experts, against the float64 reference as the wgmma path is."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_mma_sync_products(fmt):
+    """Tiling.mma_sync on the GPU: products of 1, 5 and 8 rows (one 8-row block), a split-K plan, one and
+    three tokens' experts, against the float64 reference as the wgmma path is."""
     rng = _rng(27)
-    w = WEIGHTS["nvfp4"](rng, (), 192, 640)
-    up, down = WEIGHTS["nvfp4"](rng, (4,), 192, 640), WEIGHTS["nvfp4"](rng, (4,), 640, 192)
+    w = WEIGHTS[fmt](rng, (), 192, 640)
+    up, down = WEIGHTS[fmt](rng, (4,), 192, 640), WEIGHTS[fmt](rng, (4,), 640, 192)
     for rows in (1, 5, 8):
         x = _x(rng, (rows, 640), jnp.bfloat16)
         for tiling in (Tiling(mma_sync=True), Tiling(mma_sync=True, decode_ctas_per_sm=2, ctas_per_sm=1)):
