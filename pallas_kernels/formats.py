@@ -185,10 +185,10 @@ def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
     """codes [64, 16c] uint8 in MMA_LHS(uint8) layout (m16n8k32's 8-bit A operand: a thread holds four
     adjacent bytes of a row, all of one 8-byte NVFP4 block), scales: 2c bfloat16 block-scale rows [64]
     (_wgemm.ROW_LAYOUT, one per block) -> the [64, 32c] bfloat16 A operand of warp-level mma (m16n8k16,
-    MMA_LHS layout), its K order NVFP4Weight.mma_k_order's: each register's word decodes (DECODE_PTX) into the
-    four value pairs a thread holds of two 16-column operand tiles, so no value moves between threads.
-    Lanes 0-1 of a row's four read the chunk's first block, lanes 2-3 its second: the scale is picked per
-    lane. GPU only."""
+    MMA_LHS layout), its K order NVFP4Weight.mma_k_order's: each register's word decodes (DECODE_PTX)
+    into the four value pairs a thread holds of two 16-column operand tiles, so no value moves between
+    threads. Lanes 0-1 of a row's four read the chunk's first block, lanes 2-3 its second: the scale is
+    picked per lane. GPU only."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.extend.mlir import ir
     from jaxlib.mlir.dialects import arith
@@ -434,7 +434,7 @@ class NVFP4Weight:
         unit = NVFP4Weight.operand_unit(dtype)
         if dtype == jnp.bfloat16 and ptx:
             lo, hi = _ptx_decode(codes, jnp.bfloat16)
-            as_scale = lambda s: (s.astype(jnp.float16).astype(jnp.float32) * (unit * 2.0**126)).astype(jnp.bfloat16)
+            as_scale = NVFP4Weight._bf16_ptx_scale
         else:
             lo, hi = _ptx_decode(codes, jnp.float16) if ptx else e2m1_pair_to_f16(codes)
             as_scale = lambda s: s.astype(jnp.float16)
@@ -463,10 +463,14 @@ class NVFP4Weight:
         """codes [64, 8g] uint8 in MMA_LHS(uint8) layout (g even), scale_rows: g e4m3 block scales [64] ->
         the [64, 16g] bfloat16 A operand of warp-level mma, K in mma_k_order, values as decode_tile's
         bfloat16 operand (times operand_unit(bfloat16)). GPU only (PTX)."""
+        return _ptx_decode_mma(codes, [NVFP4Weight._bf16_ptx_scale(r) for r in scale_rows])
+
+    @staticmethod
+    def _bf16_ptx_scale(scale_row: jax.Array) -> jax.Array:
+        """e4m3 block scales -> the bfloat16 factor of the bfloat16 PTX decode's codes (e2m1 * 2**-126):
+        scale * operand_unit(bfloat16) * 2**126, exact (finite for every e4m3 scale)."""
         unit = NVFP4Weight.operand_unit(jnp.bfloat16)
-        rows = [(r.astype(jnp.float16).astype(jnp.float32) * (unit * 2.0**126)).astype(jnp.bfloat16)
-                for r in scale_rows]
-        return _ptx_decode_mma(codes, rows)
+        return (scale_row.astype(jnp.float16).astype(jnp.float32) * (unit * 2.0**126)).astype(jnp.bfloat16)
 
 
 @functools.partial(jax.jit, static_argnames="to_kernel")
