@@ -39,6 +39,9 @@
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
+#   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: kernel-tests, then the GEMV fit of each
+#                                     # quantised format under it, then `variants` with rounds 4 (default:
+#                                     # $CANDIDATE_TILINGS)
 #   bash benchmarks/h200.sh kernel-variants [TILINGS]  # the weight kernels under the default tiling and those
 #                                     # (kernels.py)
 #   bash benchmarks/h200.sh prefill-experts [TILINGS]  # bf16 MoE experts of a 2,048-token chunk alone, default
@@ -71,6 +74,10 @@ quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\
 # a leg's whole output goes to $OUT/legs.log as well (the tail printed here may cut a long table)
 leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
+# the kernel tests that a GPU runs differently from the interpreter (Mosaic, PTX, mma, TMA fills)
+kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+                   -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma" 2>&1 \
+                   | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="mma_sync=true"  # NVFP4 and FP8 blocks of up to 8 rows through warp-level mma, not wgmma
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
@@ -103,10 +110,7 @@ case "${1:-}" in
          --steps 32 --repeats 2 --call-overhead)
     done ;;
   kernels) leg 560 benchmarks/kernels.py --sweep --only moe1,moe32 ;;
-  kernel-tests)
-    PALLAS_KERNELS_IMPL=pallas timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-      -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma" 2>&1 \
-      | tail -3 ;;
+  kernel-tests) kernel_tests 300 ;;
   xla-flags) # batch-1 decode, ungated (layer check only), one process each: as it is, then under each set of XLA
              # flags given after the part's name (default: the sets below: programmatic dependent launch, fusion
              # passes that fuse more, the decode loop itself recorded into the CUDA graph). Four timed calls, each
@@ -149,6 +153,10 @@ case "${1:-}" in
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
                   --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
   sampler) leg 200 benchmarks/sampler.py --batches 1,8,32 ;;
+  lever) kernel_tests 150
+         leg 120 benchmarks/kernels.py --only scaling --formats nvfp4,fp8 --tilings "${2:-$CANDIDATE_TILINGS}" \
+           | grep "scaling .*: kernel us"
+         leg 400 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 4 --tilings "${2:-$CANDIDATE_TILINGS}" ;;
   kernel-variants) # the kernels alone under the default tiling and the candidates of `variants`: GEMV fit, MoE
                    # at 1 and 32 tokens
     leg 400 benchmarks/kernels.py --only scaling,moe1,moe32 --formats nvfp4,fp8,bf16 \
