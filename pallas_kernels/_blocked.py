@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._backend import interpret_params, num_sms
-from pallas_kernels._wgemm import TN, X_TILE, weight_gemm
+from pallas_kernels._wgemm import TN, X_TILE, mma_fits, weight_gemm
 from pallas_kernels.formats import Weight, is_quantized
 
 ROW_ALIGN = 32  # bytes: weight rows must hold whole 32-byte swizzle tiles
@@ -208,8 +208,7 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, 
     x, row_exp = _activations(xb, fmt, arr.dtype, tiling.bf16_operands)
     if fmt is not None:
         post = post / fmt.operand_unit(x.dtype)
-    mma = (tiling.mma_sync and impl == "pallas" and hasattr(fmt, "decode_mma_tile") and x.dtype == jnp.bfloat16
-           and tm == DECODE_BLOCK_ROWS and tiles == 1 and tk % 32 == 0 and k % getattr(fmt, "MMA_K_CHUNK", 1) == 0)
+    mma = tiling.mma_sync and impl == "pallas" and mma_fits(fmt, x.dtype, tm, tiles, tk, k)
     if mma:  # the decoded weight's K order
         x = fmt.mma_k_order(x)
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x

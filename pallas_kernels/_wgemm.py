@@ -80,6 +80,14 @@ def scale_rows_per_step(fmt, tk: int) -> int:
     return tk // per_row if per_row else 0
 
 
+def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int, k: int) -> bool:
+    """Whether weight_gemm's warp-level mma path takes these operands: a format with decode_mma_tile,
+    bfloat16 x, 8-row blocks, one weight tile a CTA, K steps of whole 32-byte code tiles, and K a whole
+    number of the format's mma_k_order chunks."""
+    return (hasattr(fmt, "decode_mma_tile") and x_dtype == jnp.bfloat16 and tm == 8 and tiles == 1
+            and tk % 32 == 0 and k % fmt.MMA_K_CHUNK == 0)
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
                                              "mma", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
@@ -110,11 +118,9 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     mma_dtype = x.dtype
     if fmt is not None and mma_dtype not in (jnp.float16, jnp.bfloat16):
         raise ValueError(f"quantised weights decode to float16 or bfloat16 (x's dtype), got x in {mma_dtype}")
-    if mma and not (hasattr(fmt, "decode_mma_tile") and mma_dtype == jnp.bfloat16 and tm == 8 and tiles == 1
-                    and tk % 32 == 0 and interpret is None):
-        raise ValueError(f"warp-level mma takes a format with decode_mma_tile, bfloat16 x, 8-row blocks, one "
-                         f"tile a CTA, tk % 32 == 0, on the GPU: got {fmt}, {mma_dtype}, tm={tm}, tiles={tiles}, "
-                         f"tk={tk}, interpret={interpret is not None}")
+    if mma and (interpret is not None or not mma_fits(fmt, mma_dtype, tm, tiles, tk, kx)):
+        raise ValueError(f"warp-level mma takes what mma_fits accepts, on the GPU: got {fmt}, {mma_dtype}, tm={tm}, "
+                         f"tiles={tiles}, tk={tk}, K={kx}, interpret={interpret is not None}")
 
     def wgemm(eid_ref, x_ref, w_ref, *refs):
         s_ref, refs = (refs[0], refs[1:]) if n_scale else (None, refs)
