@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._backend import interpret_params, num_sms
-from pallas_kernels._wgemm import TN, X_TILE, mma_fits, weight_gemm
+from pallas_kernels._wgemm import SMEM_TILE_ROWS, TN, X_TILE, mma_fits, weight_gemm
 from pallas_kernels.formats import Weight, is_quantized
 
 ROW_ALIGN = 32  # bytes: weight rows must hold whole 32-byte swizzle tiles
@@ -185,11 +185,11 @@ def _plan(fmt, w_dtype, k: int, tm: int, n_tiles: int, num_blocks: int, tiling: 
 
 def row_blocks(x, tm: int, tiling: Tiling | None = None):
     """x [M, K] -> [ceil(M / tm), tm, K], the last block zero-padded: the kernel's activation blocks;
-    under tiling.unpadded_rows, M < tm rows stay one unpadded block [1, M, K] (blocked_linear's tm
-    says the block's size)."""
+    under tiling.unpadded_rows, M < tm rows stay one block [1, M', K] (blocked_linear's tm says the
+    block's size): M' = M below SMEM_TILE_ROWS, else M padded to a multiple of it (a TMA copy's rows)."""
     m, k = x.shape
     if m < tm and (tiling or DEFAULT_TILING).unpadded_rows:
-        return x[None]
+        return _pad_axis(x, 0, m if m < SMEM_TILE_ROWS else -(-m // SMEM_TILE_ROWS) * SMEM_TILE_ROWS)[None]
     blocks = -(-m // tm)
     return jnp.pad(x, ((0, blocks * tm - m), (0, 0))).reshape(blocks, tm, k)
 

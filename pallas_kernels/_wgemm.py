@@ -55,10 +55,13 @@ ROW_LAYOUT = plgpu.Layout.TILED(
 )
 
 
+SMEM_TILE_ROWS = 8  # rows of an SMEM tile: a TMA copy's row extent must be below it or a multiple of it
+
+
 def _smem_transforms(dtype, minor: int):
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor * bits)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+    return (plgpu.TilingTransform((SMEM_TILE_ROWS, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
 def _weight_transforms(fmt, w, tk: int):
@@ -70,7 +73,7 @@ def _weight_transforms(fmt, w, tk: int):
     size = jnp.dtype(w.dtype).itemsize
     for swizzle in (128, 64, 32):
         if (tk * size) % swizzle == 0 and (w.shape[-1] * size) % swizzle == 0:
-            return plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle)
+            return plgpu.TilingTransform((SMEM_TILE_ROWS, swizzle // size)), plgpu.SwizzleTransform(swizzle)
     raise ValueError(f"weight K extent {w.shape[-1] * size} bytes must be a multiple of 32")
 
 

@@ -446,7 +446,7 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
 
     rng = _rng(6)
     w, up, down = WEIGHTS[fmt](rng, (), 256, 2688), WEIGHTS[fmt](rng, (4,), 1856, 2688), WEIGHTS[fmt](rng, (4,), 2688, 1856)
-    for rows in (1, 40):
+    for rows in (1, 13, 40):  # 13: a block's rows past one SMEM tile but not a multiple of it
         x = _x(rng, (rows, 2688), jnp.bfloat16)
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(x, w)
     # decode blocks of 8 rows, prefill blocks of 64; and the long K step that big decode grids take
@@ -491,13 +491,15 @@ def test_k_steps_past_the_activations(fmt, tk, ctas_per_sm, monkeypatch):
 def test_unpadded_rows_same_products(fmt):
     """Activations that fill less than one block, sent to the kernel without a padded copy
     (Tiling.unpadded_rows, the default: the kernel loads zeros past their last row), give the padded
-    path's outputs bit for bit: 1, 5 and 40 rows (8- and 64-row blocks), float32 rows (whose exponents are
+    path's outputs bit for bit: 1, 5, 13 and 40 rows (8- and 64-row blocks; 13 rows go as 16, a TMA copy's
+    rows being fewer than an SMEM tile's 8 or a multiple of them), float32 rows (whose exponents are
     undone per row), a split-K plan and one token's experts; a full block and a multi-token MoE batch keep
     their blocks as they were."""
     rng = _rng(23)
     w = WEIGHTS[fmt](rng, (), 128, 320)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 320), WEIGHTS[fmt](rng, (4,), 320, 192)
-    for rows, dtype in ((1, jnp.bfloat16), (5, jnp.bfloat16), (8, jnp.bfloat16), (40, jnp.bfloat16), (5, jnp.float32)):
+    for rows, dtype in ((1, jnp.bfloat16), (5, jnp.bfloat16), (8, jnp.bfloat16), (13, jnp.bfloat16), (40, jnp.bfloat16),
+                        (5, jnp.float32)):
         x = _x(rng, (rows, 320), dtype)  # float32: rescaled float16 rows, each with its exponent to undo
         for tiling in (Tiling(unpadded_rows=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, unpadded_rows=False)):
             padded = linear(x, w, impl=IMPL, tiling=tiling)
