@@ -3,10 +3,8 @@ state update and readout, between the in_proj and the gated norm.
 
 XLA runs this step as ~7 small fusions a layer (the conv, dt, the state update, the readout over N, the
 window), each a launch of ~1.5 µs at batch 1 whatever its work, and reads the fp32 state more than once.
-Here one program per (sequence, head, block of STATE_ROWS of the head's hd rows) reads its conv
-channels, its group's B and C channels and its [STATE_ROWS, N] slice of the state once, and writes the
-new state in place (the state is aliased to the output). Row blocks give a batch-1 step 4 programs a
-head (256 at Nano's 64 heads of 64) where one a head would leave half of an H100's SMs idle.
+Here one program per (sequence, head) reads the head's conv channels, its group's B and C channels and
+its [hd, N] state once, and writes the new state in place (the state is aliased to the output).
 
 Math (per sequence b, head h of group g; fp32; a row with valid[b] false is a no-op: dt = 0, x = 0,
 window kept):
@@ -29,8 +27,6 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _blocked
 from pallas_kernels._backend import resolve_impl
-
-STATE_ROWS = 16  # rows of a head's [hd, N] SSM state one program updates (fewer where hd is smaller)
 
 
 def mamba_step_impl(head_dim: int, state_size: int, impl: str | None = None) -> str | None:
@@ -58,16 +54,15 @@ def mamba_step(zxbcdt, window, conv_weight, conv_bias, dt_bias, A_log, D, ssm, v
     zeros = jnp.zeros((conv_dim,), jnp.float32)
     kernel = functools.partial(_step_kernel, inner=inner, n_groups=n_groups, heads=nh, taps=taps,
                                limit=tuple(time_step_limit), xbc_dtype=zxbcdt.dtype)
-    rows = min(hd, STATE_ROWS)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, h, r: (0,) * a.ndim)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, h: (0,) * a.ndim)
     operands = (zxbcdt, window, conv_weight, zeros if conv_bias is None else conv_bias, dt_bias, A_log, D,
                 valid.astype(jnp.int32), ssm)
-    state_spec = pl.BlockSpec((None, None, rows, n), lambda i, h, r: (i, h, r, 0))
+    state_spec = pl.BlockSpec((None, None, hd, n), lambda i, h: (i, h, 0, 0))
     return pl.pallas_call(
         kernel,
-        grid=(b, nh, hd // rows),
+        grid=(b, nh),
         in_specs=[whole(a) for a in operands[:-1]] + [state_spec],
-        out_specs=[pl.BlockSpec((None, rows), lambda i, h, r: (i, h * (hd // rows) + r)), whole(window), state_spec],
+        out_specs=[pl.BlockSpec((None, hd), lambda i, h: (i, h)), whole(window), state_spec],
         out_shape=[jax.ShapeDtypeStruct((b, inner), jnp.float32), jax.ShapeDtypeStruct(window.shape, window.dtype),
                    jax.ShapeDtypeStruct(ssm.shape, jnp.float32)],
         input_output_aliases={len(operands) - 1: 2},
@@ -79,11 +74,10 @@ def mamba_step(zxbcdt, window, conv_weight, conv_bias, dt_bias, A_log, D, ssm, v
 
 def _step_kernel(zxbcdt_ref, window_ref, conv_w_ref, conv_b_ref, dt_bias_ref, a_log_ref, d_ref, valid_ref, ssm_ref,
                  y_ref, window_out_ref, ssm_out_ref, *, inner, n_groups, heads, taps, limit, xbc_dtype):
-    """Program (sequence i, head h, row block r of the head's state). The window of the group's B and C
-    channels is written by the group's first head's first block (every program of the group reads them)."""
-    i, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, n = ssm_ref.shape
-    hd = inner // heads
+    """Program (sequence i, head h). The window of the group's B and C channels is written by the group's
+    first head (every head of the group reads them)."""
+    i, h = pl.program_id(0), pl.program_id(1)
+    hd, n = ssm_ref.shape
     per_group = heads // n_groups
     g = h // per_group
     valid = valid_ref[i] != 0
@@ -103,12 +97,12 @@ def _step_kernel(zxbcdt_ref, window_ref, conv_w_ref, conv_b_ref, dt_bias_ref, a_
         for k, row in enumerate(kept):
             window_out_ref[i, k, chans] = row.astype(window_out_ref.dtype)
 
-    x, x_chans, x_window = conv(h * hd + r * rows, rows)
+    x, x_chans, x_window = conv(h * hd, hd)
     B, b_chans, b_window = conv(inner + g * n, n)
     C, c_chans, c_window = conv(inner + n_groups * n + g * n, n)
     write_window(x_chans, x_window)
 
-    @pl.when((h % per_group == 0) & (r == 0))
+    @pl.when(h % per_group == 0)
     def _():
         write_window(b_chans, b_window)
         write_window(c_chans, c_window)

@@ -23,7 +23,7 @@ from pallas_kernels.mamba_step import mamba_step, mamba_step_impl
 
 IMPL = os.environ.get("PALLAS_KERNELS_IMPL", "interpret")
 DIMS = {"vocab_size": 64, "hidden_size": 32, "hybrid_override_pattern": "M", "mamba_num_heads": 8,
-        "mamba_head_dim": 32, "ssm_state_size": 32, "n_groups": 2, "num_attention_heads": 4,
+        "mamba_head_dim": 16, "ssm_state_size": 32, "n_groups": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 16}
 
 
