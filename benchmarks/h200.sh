@@ -16,7 +16,7 @@
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
 #                                     # bf16 operands, several weight tiles a CTA, rows read without a padded copy,
-#                                     # NVFP4 and FP8 through warp-level mma), then the fused Mamba2 step's
+#                                     # NVFP4 and FP8 through warp-level mma)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as it is
@@ -77,11 +77,9 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
 # the kernel tests that a GPU runs differently from the interpreter (Mosaic, PTX, mma, TMA fills)
 kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
                    -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma" 2>&1 \
-                   | tail -3
-                 PALLAS_KERNELS_IMPL=pallas timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_mamba_step.py \
-                   2>&1 | tail -3; }
+                   | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="mamba_step=true"  # Mamba2's one-token step as one kernel, not XLA's ~7 fusions a layer
+CANDIDATE_TILINGS="mma_sync=true"  # NVFP4 and FP8 blocks of up to 8 rows through warp-level mma, not wgmma
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not

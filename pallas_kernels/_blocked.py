@@ -61,20 +61,11 @@ class Tiling:
     a zero-padded copy: at batch 1 an XLA launch fewer before each of ~105 weight kernels a step, same
     products (H100, NANO_NVFP4, gated, interleaved calls: batch 1 2.584 -> 2.547 ms, batch 32 unchanged).
 
-    mma_sync, off (slower in the decode, below): NVFP4 and FP8 weights at blocks of up to 8 rows multiply
+    mma_sync, untimed and off until measured: NVFP4 and FP8 weights at blocks of up to 8 rows multiply
     with warp-level mma (m16n8k16) instead of wgmma (_wgemm's mma), on the GPU only (the interpreter keeps
     wgmma). At M=1 the wgmma kernel moves ~2.9 G NVFP4 values a ms on an H100 whatever its decode costs
     (a third of the decode's work gave the same rate), 58% of the bytes the HBM could deliver, and FP8
-    ~2.8 G; mma's native 8-column N and its register accumulator may not share that ceiling.
-
-    mma_sync measured (H100, NANO_NVFP4, gated, interleaved calls): the M=1 GEMV fit 1.9 µs + bytes /
-    1,637 GB/s -> 1.6 µs + bytes / 1,888 GB/s (FP8 2,779 -> 2,830 GB/s), but decode 3.5% slower at
-    batch 1 and 1.5% at batch 32: the permuted x and the [N, tm] output add an XLA transpose where no
-    fusion absorbs them (one a layer or more), which costs more than the faster kernels save.
-
-    mamba_step, untimed and off until measured: Mamba2's one-token step (conv window, SiLU, dt, SSM
-    update and readout) as one kernel (pallas_kernels.mamba_step) instead of XLA's ~7 fusions a layer.
-    Not a weight tiling: a lever of the decode step that the same A/B tools compare."""
+    ~2.8 G; mma's native 8-column N and its register accumulator may not share that ceiling."""
 
     tk: int | None = None
     stages: int = 4
@@ -88,7 +79,6 @@ class Tiling:
     decode_weight_tiles: int = 1
     unpadded_rows: bool = True
     mma_sync: bool = False
-    mamba_step: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)

@@ -24,7 +24,6 @@ from nemoh.sharding.local import axis_position, fit_rows, per_device, psum32, ro
 from nemoh.sharding.placement import Placement
 from nemoh.sharding.rules import BATCH, MAMBA_CONV, MAMBA_HEADS, MAMBA_IN, MAMBA_INNER
 from pallas_kernels import Weight, linear
-from pallas_kernels.mamba_step import mamba_step, mamba_step_impl
 
 
 @jax.tree_util.register_dataclass
@@ -115,13 +114,6 @@ def mamba2_scan(p: MambaParams, zxbcdt: jax.Array, cfg: NemotronHConfig, state: 
     b, T, _ = zxbcdt.shape
     nh, hd, G, N, I = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size, cfg.mamba_intermediate
     z, xbc, dt_raw = jnp.split(zxbcdt, [I, I + cfg.conv_dim], axis=-1)
-    kernel = mamba_step_impl(hd, N) if T == 1 else None
-    if kernel:  # the same step as below, one kernel (pallas_kernels.mamba_step)
-        y, window, ssm = mamba_step(zxbcdt[:, 0], state.conv, p.conv_weight, p.conv_bias, p.dt_bias, p.A_log, p.D,
-                                    state.ssm, valid_len > 0, n_groups=G, time_step_limit=cfg.time_step_limit,
-                                    impl=kernel)
-        u = gated_rms_norm(y[:, None], z, p.gate_norm, G, cfg.layer_norm_epsilon)
-        return u, MambaState(conv=window, ssm=ssm)
     xbc_act, new_window = causal_conv(xbc, state.conv, p.conv_weight, p.conv_bias, valid_len)
     x, B, C = jnp.split(xbc_act, [I, I + G * N], axis=-1)
 
