@@ -61,11 +61,14 @@ class Tiling:
     a zero-padded copy: at batch 1 an XLA launch fewer before each of ~105 weight kernels a step, same
     products (H100, NANO_NVFP4, gated, interleaved calls: batch 1 2.584 -> 2.547 ms, batch 32 unchanged).
 
-    mma_sync, untimed and off until measured: NVFP4 and FP8 weights at blocks of up to 8 rows multiply
+    mma_sync, off (slower in the decode, below): NVFP4 and FP8 weights at blocks of up to 8 rows multiply
     with warp-level mma (m16n8k16) instead of wgmma (_wgemm's mma), on the GPU only (the interpreter keeps
     wgmma). At M=1 the wgmma kernel moves ~2.9 G NVFP4 values a ms on an H100 whatever its decode costs
     (a third of the decode's work gave the same rate), 58% of the bytes the HBM could deliver, and FP8
-    ~2.8 G; mma's native 8-column N and its register accumulator may not share that ceiling."""
+    ~2.8 G. Measured (H100, NANO_NVFP4, gated, interleaved calls): the M=1 GEMV fit 1.9 µs + bytes /
+    1,637 GB/s -> 1.6 µs + bytes / 1,888 GB/s (FP8 2,779 -> 2,830 GB/s), but decode 3.5% slower at batch
+    1 and 1.5% at batch 32: x in mma_k_order and the [N, tm] output add XLA transposes that no fusion
+    absorbs (83 launches against 78 in a 4-layer step), which cost more than the faster kernels save."""
 
     tk: int | None = None
     stages: int = 4
