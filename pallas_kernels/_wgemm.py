@@ -30,7 +30,8 @@ interpreter only models SMEM operands, so interpret mode always stages. ptx: the
 PTX decode (GPU only; interpret mode runs the same decode in jnp). mma: blocks of 8 rows multiply with
 warp-level mma (m16n8k16, each warp 16 weight rows, its accumulator in registers across K steps) instead
 of wgmma, the weight decoded straight into mma's A layout (the format's `decode_mma_tile`, K in its
-`mma_k_order`: the caller permutes x alike). GPU only (the interpreter runs neither mma nor PTX).
+`mma_k_order`; x loaded in the same order by its `load_mma_x`). GPU only (the interpreter runs neither mma
+nor PTX).
 """
 
 from __future__ import annotations
@@ -83,12 +84,11 @@ def scale_rows_per_step(fmt, tk: int) -> int:
     return tk // per_row if per_row else 0
 
 
-def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int, k: int) -> bool:
+def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int) -> bool:
     """Whether weight_gemm's warp-level mma path takes these operands: a format with decode_mma_tile,
-    bfloat16 x, 8-row blocks, one weight tile a CTA, K steps of whole 32-byte code tiles, and K a whole
-    number of the format's mma_k_order chunks."""
-    return (hasattr(fmt, "decode_mma_tile") and x_dtype == jnp.bfloat16 and tm == 8 and tiles == 1
-            and tk % 32 == 0 and k % fmt.MMA_K_CHUNK == 0)
+    bfloat16 x, 8-row blocks, one weight tile a CTA, and K steps of whole 32-byte code tiles (whole
+    mma_k_order chunks of weight and x: a K tail past the data reads zeros in both)."""
+    return hasattr(fmt, "decode_mma_tile") and x_dtype == jnp.bfloat16 and tm == 8 and tiles == 1 and tk % 32 == 0
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
@@ -121,9 +121,9 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     mma_dtype = x.dtype
     if fmt is not None and mma_dtype not in (jnp.float16, jnp.bfloat16):
         raise ValueError(f"quantised weights decode to float16 or bfloat16 (x's dtype), got x in {mma_dtype}")
-    if mma and (interpret is not None or not mma_fits(fmt, mma_dtype, tm, tiles, tk, kx)):
+    if mma and (interpret is not None or not mma_fits(fmt, mma_dtype, tm, tiles, tk)):
         raise ValueError(f"warp-level mma takes what mma_fits accepts, on the GPU: got {fmt}, {mma_dtype}, tm={tm}, "
-                         f"tiles={tiles}, tk={tk}, K={kx}, interpret={interpret is not None}")
+                         f"tiles={tiles}, tk={tk}, interpret={interpret is not None}")
 
     def wgemm(eid_ref, x_ref, w_ref, *refs):
         s_ref, refs = (refs[0], refs[1:]) if n_scale else (None, refs)
@@ -147,8 +147,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                     *s_smem, acc = s_smem_acc
                     codes = plgpu.load(w_smem, layout=plgpu.Layout.MMA_LHS(jnp.uint8))
                     rows = [plgpu.load(s_smem[0].at[c], layout=ROW_LAYOUT, optimized=False) for c in range(n_scale)]
-                    return plgpu.mma(acc, fmt.decode_mma_tile(codes, rows),
-                                     plgpu.load(x_smem.T, layout=plgpu.Layout.MMA_RHS(mma_dtype)))
+                    return plgpu.mma(acc, fmt.decode_mma_tile(codes, rows), fmt.load_mma_x(x_smem.T))
 
                 zero = plgpu.layout_cast(jnp.zeros((TN, tm), jnp.float32), plgpu.Layout.MMA_ACC(mma_dtype))
                 o_ref.at[s, b, pl.ds(ni * TN, TN), :][...] = pipeline(mma_step, init_carry=zero)

@@ -181,6 +181,35 @@ def _mma_operand(values: jax.Array) -> jax.Array:
     return relabel(values)
 
 
+def mma_rhs_register(chunk: int, h: int) -> tuple[int, ...]:
+    """Where an activation pair goes in warp-level mma's bfloat16 B operand ([tk, 8], MMA_RHS): the h-th
+    pair (elements 2h, 2h + 1) of the chunk-th 4-element register of an activation tile loaded in its
+    format's mma_x_layout -> the index of the MMA_RHS register [f, 0, h, ...] of 16-row tile f = chunk
+    (rows 16 f + 8 h + 2 (lane % 4) + {0, 1}, column lane // 4)."""
+    return (chunk, 0, h, 0, 0, 0, 0, 0)
+
+
+def _load_mma_rhs(x_t, layout) -> jax.Array:
+    """x_t [tk, 8] bfloat16 (an SMEM activation tile, transposed) -> warp-level mma's B operand
+    (MMA_RHS(bfloat16)), K in the order of `layout`: loaded with four adjacent activations of a row a
+    thread (`layout`, a format's mma_x_layout), each register's two pairs relabelled, none moved. GPU only."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    out_ty = plgpu.ShapeDtypeStruct(x_t.shape, jnp.bfloat16, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=out_ty)
+    def relabel(_, v):
+        rhs = mgpu.MMALayouts(jnp.bfloat16, m_warps=4).rhs
+        out = np.empty(rhs.registers_shape(out_ty.shape), dtype=object)
+        for chunk, quad in enumerate(v.registers.flat):  # registers in K order: 16 activations of a row each
+            for h in range(2):
+                out[mma_rhs_register(chunk, h)] = mgpu.utils.vector_slice(quad, slice(2 * h, 2 * h + 2))
+        return mgpu.FragmentedArray(_registers=out, _layout=rhs, _is_signed=None)
+
+    return relabel(plgpu.load(x_t, layout=layout))
+
+
 def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
     """codes [64, 16c] uint8 in MMA_LHS(uint8) layout (m16n8k32's 8-bit A operand: a thread holds four
     adjacent bytes of a row, all of one 8-byte NVFP4 block), scales: 2c bfloat16 block-scale rows [64]
@@ -323,8 +352,9 @@ class FP8Weight:
 
     @staticmethod
     def mma_k_order(x: jax.Array) -> jax.Array:
-        """x [..., K] (K % MMA_K_CHUNK == 0) in the K order of decode_mma_tile's operand: within each chunk of
-        16, position 8h + 4t1 + 2t0 + e takes element 8t1 + 4t0 + 2h + e (a reshape and a transpose)."""
+        """x [..., K] (K % MMA_K_CHUNK == 0) in the K order both warp-level mma operands hold (decode_mma_tile's
+        weight, load_mma_x's activations): within each chunk of 16, position 8h + 4t1 + 2t0 + e takes
+        element 8t1 + 4t0 + 2h + e (a reshape and a transpose; the tests' statement of the order)."""
         *lead, k = x.shape
         chunks = x.reshape(*lead, k // FP8Weight.MMA_K_CHUNK, 2, 2, 2, 2)  # (t1, t0, h, e)
         n = len(lead) + 1
@@ -335,6 +365,20 @@ class FP8Weight:
         """codes [64, tk] e4m3 in MMA_LHS(uint8) layout (tk % 32 == 0), no scale rows -> the [64, tk]
         bfloat16 A operand of warp-level mma, K in mma_k_order, values as decode_tile's. GPU only."""
         return _mma_operand(codes.astype(jnp.float16).astype(jnp.bfloat16))
+
+    @staticmethod
+    def mma_x_layout():
+        """Register layout of a [tk, 8] activation tile whose loads hold x in mma_k_order: a thread the
+        four activations 4t..4t+3 of each 16 (t = lane % 4, column lane // 4), as MMA_RHS(uint8) lays out
+        8-bit values."""
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        return plgpu.Layout.MMA_RHS(jnp.uint8)
+
+    @staticmethod
+    def load_mma_x(x_t) -> jax.Array:
+        """x_t [tk, 8] bfloat16 activation tile in SMEM (transposed) -> warp-level mma's B operand, K in
+        mma_k_order (no permuted copy of x). GPU only."""
+        return _load_mma_rhs(x_t, FP8Weight.mma_x_layout())
 
 
 @jax.tree_util.register_dataclass
@@ -450,9 +494,10 @@ class NVFP4Weight:
 
     @staticmethod
     def mma_k_order(x: jax.Array) -> jax.Array:
-        """x [..., K] (K % MMA_K_CHUNK == 0) in the K order of decode_mma_tile's operand: within each chunk of
-        32, position 16s + 8h + 4t1 + 2t0 + e takes element 16t1 + 8s + 4t0 + 2h + e (five index bits
-        permuted: a reshape and a transpose). A product over K is the same in either order."""
+        """x [..., K] (K % MMA_K_CHUNK == 0) in the K order both warp-level mma operands hold (decode_mma_tile's
+        weight, load_mma_x's activations): within each chunk of 32, position 16s + 8h + 4t1 + 2t0 + e
+        takes element 16t1 + 8s + 4t0 + 2h + e (five index bits permuted: a reshape and a transpose; the
+        tests' statement of the order). A product over K is the same in either order."""
         *lead, k = x.shape
         chunks = x.reshape(*lead, k // NVFP4Weight.MMA_K_CHUNK, 2, 2, 2, 2, 2)  # (t1, s, t0, h, e)
         n = len(lead) + 1
@@ -464,6 +509,21 @@ class NVFP4Weight:
         the [64, 16g] bfloat16 A operand of warp-level mma, K in mma_k_order, values as decode_tile's
         bfloat16 operand (times operand_unit(bfloat16)). GPU only (PTX)."""
         return _ptx_decode_mma(codes, [NVFP4Weight._bf16_ptx_scale(r) for r in scale_rows])
+
+    @staticmethod
+    def mma_x_layout():
+        """Register layout of a [tk, 8] activation tile whose loads hold x in mma_k_order: within each 32,
+        a thread (t = 2 t1 + t0 = lane % 4, column lane // 4) holds 16 t1 + 8 s + 4 t0 + {0..3} for s = 0, 1
+        (tiles of 32, then 16 (t1), 8 (s) and 4 (t0) rows; the lane is column, t1, t0)."""
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        return plgpu.Layout.TILED(plgpu.Tiling(((32, 8), (16, 8), (8, 1), (4, 1))),
+                                  warp_dims=(plgpu.Replicated(4),), lane_dims=(-5, -8, -4), vector_dim=-2)
+
+    @staticmethod
+    def load_mma_x(x_t) -> jax.Array:
+        """x_t [tk, 8] bfloat16 activation tile in SMEM (transposed) -> warp-level mma's B operand, K in
+        mma_k_order (no permuted copy of x). GPU only."""
+        return _load_mma_rhs(x_t, NVFP4Weight.mma_x_layout())
 
     @staticmethod
     def _bf16_ptx_scale(scale_row: jax.Array) -> jax.Array:

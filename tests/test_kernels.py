@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts
-from pallas_kernels.formats import DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16, mma_operand_register
+from pallas_kernels.formats import (DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16, mma_operand_register,
+                                    mma_rhs_register)
 from pallas_kernels._backend import num_sms
 from pallas_kernels import _blocked
 from pallas_kernels._blocked import Tiling, _plan
@@ -191,6 +192,53 @@ def test_fp8_mma_operand_is_the_weight_in_mma_k_order():
             col = 16 * f + 8 * h_out + 2 * t
             operand[row, col:col + 2] = codes[row, byte + 2 * h:byte + 2 * h + 2]
     np.testing.assert_array_equal(operand, np.asarray(FP8Weight.mma_k_order(jnp.asarray(codes))))
+
+
+def _tiled_owner(layout, shape):
+    """Model of a Mosaic GPU TiledLayout: element index of `shape` -> (lane, register index, position in
+    the register's vector), from the layout's tiling, lane dims (the first the most significant) and
+    vector dim (warps replicated here)."""
+    tiled = layout.tiling.tile_shape(shape)
+    regs = layout.registers_shape(shape)
+
+    def owner(index):
+        index = tuple(index)
+        for tile in layout.tiling.tiles:
+            lead, tail = index[:-len(tile)], index[-len(tile):]
+            index = lead + tuple(i // t for i, t in zip(tail, tile)) + tuple(i % t for i, t in zip(tail, tile))
+        lane = 0
+        for d in layout.lane_dims:
+            lane = lane * tiled[d] + index[d]
+        reg = tuple(0 if (d - len(tiled)) in (*layout.lane_dims, layout.vector_dim) else i for d, i in enumerate(index))
+        assert all(r < n for r, n in zip(reg, regs)), (reg, regs)
+        return lane, reg, index[layout.vector_dim]
+
+    return owner
+
+
+def test_mma_x_loads_are_x_in_mma_k_order():
+    """Each format's activation load for warp-level mma (load_mma_x: x loaded in mma_x_layout, each
+    register's pairs relabelled by mma_rhs_register into MMA_RHS(bfloat16)), modelled thread by thread:
+    the layout model gives MMA_RHS(bfloat16) the PTX ISA's m16n8k16 B fragments (lane's pair h of 16-row
+    tile f: rows 16 f + 8 h + 2 (lane % 4) + {0, 1}, column lane // 4); read back that way, the B operand
+    is x in the format's mma_k_order, as the decoded weight is."""
+    from jax.experimental.mosaic import gpu as mgpu
+
+    tk = 64
+    rhs = _tiled_owner(mgpu.MMALayouts(jnp.bfloat16, m_warps=4).rhs, (tk, 8))
+    for k, n in np.ndindex(tk, 8):  # the model against the ISA's fragment layout
+        lane, (f, _, h, *rest), e = rhs((k, n))
+        assert not any(rest) and (k, n) == (16 * f + 8 * h + 2 * (lane % 4) + e, lane // 4)
+    x = np.arange(tk * 8, dtype=np.float32).reshape(tk, 8)
+    for fmt in (NVFP4Weight, FP8Weight):
+        layout = fmt.mma_x_layout().to_mgpu()
+        owner, regs = _tiled_owner(layout, (tk, 8)), layout.registers_shape((tk, 8))
+        operand = np.full((tk, 8), np.nan, np.float32)
+        for k, n in np.ndindex(tk, 8):
+            lane, reg, e4 = owner((k, n))
+            f, _, h, *_ = mma_rhs_register(int(np.ravel_multi_index(reg, regs)), e4 // 2)
+            operand[16 * f + 8 * h + 2 * (lane % 4) + e4 % 2, lane // 4] = x[k, n]
+        np.testing.assert_array_equal(operand, np.asarray(fmt.mma_k_order(jnp.asarray(x.T))).T, err_msg=fmt.__name__)
 
 
 def test_mma_k_order_is_a_permutation_within_chunks():
