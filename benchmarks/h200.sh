@@ -80,7 +80,7 @@ kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="mma_sync=true"  # warp-level mma for NVFP4 and FP8 decode: slower in run 19 with x permuted by
-                                  # XLA; the kernel now loads x in its K order itself (untimed)
+                                  # XLA; the kernel now loads x in its K order and stores [tm, N] itself (untimed)
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not

@@ -69,7 +69,8 @@ class Tiling:
     the M=1 GEMV fit 1.9 µs + bytes / 1,637 GB/s -> 1.6 µs + bytes / 1,888 GB/s (FP8 2,779 -> 2,830
     GB/s), but decode 3.5% slower at batch 1 and 1.5% at batch 32: the permutation and the [N, tm] output
     were XLA transposes that no fusion absorbed (83 launches against 78 in a 4-layer step). Since then
-    the kernel loads x in that order itself (the format's load_mma_x), untimed."""
+    the kernel loads x in that order itself (the format's load_mma_x) and stores its output as [tm, N]
+    (_wgemm.ACC_SCALARS): no transpose left in XLA, untimed."""
 
     tk: int | None = None
     stages: int = 4

@@ -30,8 +30,8 @@ interpreter only models SMEM operands, so interpret mode always stages. ptx: the
 PTX decode (GPU only; interpret mode runs the same decode in jnp). mma: blocks of 8 rows multiply with
 warp-level mma (m16n8k16, each warp 16 weight rows, its accumulator in registers across K steps) instead
 of wgmma, the weight decoded straight into mma's A layout (the format's `decode_mma_tile`, K in its
-`mma_k_order`; x loaded in the same order by its `load_mma_x`). GPU only (the interpreter runs neither mma
-nor PTX).
+`mma_k_order`; x loaded in the same order by its `load_mma_x`), the accumulator stored to the [tm, N]
+output value by value (ACC_SCALARS). GPU only (the interpreter runs neither mma nor PTX).
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 TN = 64  # weight rows per tile (wgmma M); a CTA takes `tiles` adjacent tiles
@@ -82,6 +84,33 @@ def scale_rows_per_step(fmt, tk: int) -> int:
     """Block-scale rows one K step of tk streamed weight elements needs (0: the format has none)."""
     per_row = getattr(fmt, "ELEMENTS_PER_SCALE_ROW", None)
     return tk // per_row if per_row else 0
+
+
+# warp-level mma's float32 accumulator (MMA_ACC) with each register's two values as registers of their own,
+# so a thread's values can be stored one by one into a transposed ([tm, N]) output
+ACC_SCALARS = plgpu.Layout.TILED(plgpu.Tiling(((64, 8), (16, 8), (8, 8), (2,), (1,))), warp_dims=(-8,),
+                                 lane_dims=(-4, -3), vector_dim=-1)
+
+
+def acc_scalar_register(index: tuple[int, ...], e: int) -> tuple[int, ...]:
+    """Where value e of MMA_ACC register `index` goes among ACC_SCALARS' registers (the same thread)."""
+    return index[:-1] + (e, 0)
+
+
+def _mma_acc_scalars(acc):
+    """acc [64, 8] float32 in MMA_ACC -> the same values in ACC_SCALARS (a register's pair split, none moved)."""
+    out_ty = plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=ACC_SCALARS)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.MMA_ACC(jnp.bfloat16),), return_type=out_ty)
+    def split(_, v):
+        layout = ACC_SCALARS.to_mgpu()
+        out = np.empty(layout.registers_shape(acc.shape), dtype=object)
+        for index, pair in np.ndenumerate(v.registers):
+            for e in range(2):
+                out[acc_scalar_register(index, e)] = mgpu.utils.vector_slice(pair, slice(e, e + 1))
+        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return split(acc)
 
 
 def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int) -> bool:
@@ -150,7 +179,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                     return plgpu.mma(acc, fmt.decode_mma_tile(codes, rows), fmt.load_mma_x(x_smem.T))
 
                 zero = plgpu.layout_cast(jnp.zeros((TN, tm), jnp.float32), plgpu.Layout.MMA_ACC(mma_dtype))
-                o_ref.at[s, b, pl.ds(ni * TN, TN), :][...] = pipeline(mma_step, init_carry=zero)
+                o_ref.at[s, b, :, pl.ds(ni * TN, TN)].T[...] = _mma_acc_scalars(pipeline(mma_step, init_carry=zero))
                 return
 
             def acc_scope(*accs):
@@ -189,12 +218,12 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                     store()
 
     kernel = plgpu.kernel(
-        wgemm,  # the mma path stores its [64, tm] accumulators as they are: [N, tm] blocks, swapped below
-        out_type=jax.ShapeDtypeStruct((splits, num_blocks) + ((n, tm) if mma else (tm, n)), jnp.float32),
+        wgemm,
+        out_type=jax.ShapeDtypeStruct((splits, num_blocks, tm, n), jnp.float32),
         grid=(-(-n // tn), num_blocks, splits),
         grid_names=("n", "b", "s"),
         scratch_types=[plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [],
         interpret=interpret,
     )
     out = kernel(eid, x, w, *((scale,) if n_scale else ()))
-    return out.swapaxes(-1, -2) if mma else out
+    return out

@@ -29,7 +29,7 @@ from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_exper
 from pallas_kernels.formats import (DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16, mma_operand_register,
                                     mma_rhs_register)
 from pallas_kernels._backend import num_sms
-from pallas_kernels import _blocked
+from pallas_kernels import _blocked, _wgemm
 from pallas_kernels._blocked import Tiling, _plan
 from pallas_kernels import moe as moe_ops
 from pallas_kernels.moe import route_blocks
@@ -195,23 +195,27 @@ def test_fp8_mma_operand_is_the_weight_in_mma_k_order():
 
 
 def _tiled_owner(layout, shape):
-    """Model of a Mosaic GPU TiledLayout: element index of `shape` -> (lane, register index, position in
-    the register's vector), from the layout's tiling, lane dims (the first the most significant) and
-    vector dim (warps replicated here)."""
+    """Model of a Mosaic GPU TiledLayout: element index of `shape` -> (warp, lane, register index, position
+    in the register's vector), from the layout's tiling, warp and lane dims (the first the most
+    significant; replicated warps hold copies: warp 0 here) and vector dim."""
     tiled = layout.tiling.tile_shape(shape)
     regs = layout.registers_shape(shape)
+    warp_dims = [d for d in layout.warp_dims if isinstance(d, int)]
 
     def owner(index):
         index = tuple(index)
         for tile in layout.tiling.tiles:
             lead, tail = index[:-len(tile)], index[-len(tile):]
             index = lead + tuple(i // t for i, t in zip(tail, tile)) + tuple(i % t for i, t in zip(tail, tile))
-        lane = 0
+        warp = lane = 0
+        for d in warp_dims:
+            warp = warp * tiled[d] + index[d]
         for d in layout.lane_dims:
             lane = lane * tiled[d] + index[d]
-        reg = tuple(0 if (d - len(tiled)) in (*layout.lane_dims, layout.vector_dim) else i for d, i in enumerate(index))
+        own = (*warp_dims, *layout.lane_dims, layout.vector_dim)
+        reg = tuple(0 if (d - len(tiled)) in own else i for d, i in enumerate(index))
         assert all(r < n for r, n in zip(reg, regs)), (reg, regs)
-        return lane, reg, index[layout.vector_dim]
+        return warp, lane, reg, index[layout.vector_dim]
 
     return owner
 
@@ -227,7 +231,7 @@ def test_mma_x_loads_are_x_in_mma_k_order():
     tk = 64
     rhs = _tiled_owner(mgpu.MMALayouts(jnp.bfloat16, m_warps=4).rhs, (tk, 8))
     for k, n in np.ndindex(tk, 8):  # the model against the ISA's fragment layout
-        lane, (f, _, h, *rest), e = rhs((k, n))
+        _, lane, (f, _, h, *rest), e = rhs((k, n))
         assert not any(rest) and (k, n) == (16 * f + 8 * h + 2 * (lane % 4) + e, lane // 4)
     x = np.arange(tk * 8, dtype=np.float32).reshape(tk, 8)
     for fmt in (NVFP4Weight, FP8Weight):
@@ -235,10 +239,26 @@ def test_mma_x_loads_are_x_in_mma_k_order():
         owner, regs = _tiled_owner(layout, (tk, 8)), layout.registers_shape((tk, 8))
         operand = np.full((tk, 8), np.nan, np.float32)
         for k, n in np.ndindex(tk, 8):
-            lane, reg, e4 = owner((k, n))
+            _, lane, reg, e4 = owner((k, n))
             f, _, h, *_ = mma_rhs_register(int(np.ravel_multi_index(reg, regs)), e4 // 2)
             operand[16 * f + 8 * h + 2 * (lane % 4) + e4 % 2, lane // 4] = x[k, n]
         np.testing.assert_array_equal(operand, np.asarray(fmt.mma_k_order(jnp.asarray(x.T))).T, err_msg=fmt.__name__)
+
+
+def test_mma_accumulator_stores_as_it_is():
+    """The mma path's [64, 8] float32 accumulator (MMA_ACC) goes to the [tm, N] output with each register's
+    two values split into registers of their own (_wgemm.ACC_SCALARS, one value each: a transposed
+    store), none moved: the layout model gives MMA_ACC the PTX ISA's m16n8k16 C fragments (warp w's
+    lane holds rows 16 w + 8 rh + lane // 4, columns 2 (lane % 4) + {0, 1}), and ACC_SCALARS puts each
+    value in the same thread at the register the split writes (acc_scalar_register)."""
+    from jax.experimental.mosaic import gpu as mgpu
+
+    acc = _tiled_owner(mgpu.MMALayouts(jnp.bfloat16, m_warps=4).acc, (64, 8))
+    scalars = _tiled_owner(_wgemm.ACC_SCALARS.to_mgpu(), (64, 8))
+    for row, col in np.ndindex(64, 8):
+        warp, lane, reg, e = acc((row, col))
+        assert (row, col) == (16 * warp + 8 * reg[4] + lane // 4, 2 * (lane % 4) + e)
+        assert scalars((row, col)) == (warp, lane, _wgemm.acc_scalar_register(reg, e), 0)
 
 
 def test_mma_k_order_is_a_permutation_within_chunks():
