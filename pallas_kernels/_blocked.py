@@ -61,16 +61,16 @@ class Tiling:
     a zero-padded copy: at batch 1 an XLA launch fewer before each of ~105 weight kernels a step, same
     products (H100, NANO_NVFP4, gated, interleaved calls: batch 1 2.584 -> 2.547 ms, batch 32 unchanged).
 
-    mma_sync, off (slower in the decode as measured, below): NVFP4 and FP8 weights at blocks of up to 8 rows multiply
-    with warp-level mma (m16n8k16) instead of wgmma (_wgemm's mma), on the GPU only (the interpreter keeps
-    wgmma). At M=1 the wgmma kernel moves ~2.9 G NVFP4 values a ms on an H100 whatever its decode costs
-    (a third of the decode's work gave the same rate), 58% of the bytes the HBM could deliver, and FP8
-    ~2.8 G. Measured (H100, NANO_NVFP4, gated, interleaved calls) with x permuted into mma_k_order by XLA:
-    the M=1 GEMV fit 1.9 µs + bytes / 1,637 GB/s -> 1.6 µs + bytes / 1,888 GB/s (FP8 2,779 -> 2,830
-    GB/s), but decode 3.5% slower at batch 1 and 1.5% at batch 32: the permutation and the [N, tm] output
-    were XLA transposes that no fusion absorbed (83 launches against 78 in a 4-layer step). Since then
-    the kernel loads x in that order itself (the format's load_mma_x) and stores its output as [tm, N]
-    (_wgemm.ACC_SCALARS): no transpose left in XLA, untimed."""
+    mma_sync, off (slower in the decode as measured, below): NVFP4 and FP8 weights at blocks of up to 8
+    rows multiply with warp-level mma (m16n8k16) instead of wgmma (_wgemm's mma), on the GPU only (the
+    interpreter keeps wgmma). At M=1 the wgmma kernel moves ~2.9 G NVFP4 values a ms on an H100 whatever
+    its decode costs (a third of the decode's work gave the same rate), 58% of the bytes the HBM could
+    deliver, and FP8 ~2.8 G. Measured (H100, NANO_NVFP4, gated, interleaved calls) with x permuted into
+    mma_k_order by XLA: the M=1 GEMV fit 1.9 µs + bytes / 1,637 GB/s -> 1.6 µs + bytes / 1,888 GB/s (FP8
+    2,779 -> 2,830 GB/s), but decode 3.5% slower at batch 1 and 1.5% at batch 32: the permutation and the
+    [N, tm] output were XLA transposes that no fusion absorbed (83 launches against 78 in a 4-layer step).
+    Since then the kernel loads x in that order itself (the format's load_mma_x) and stores its output as
+    [tm, N] (_wgemm.ACC_SCALARS): no transpose left in XLA, untimed."""
 
     tk: int | None = None
     stages: int = 4

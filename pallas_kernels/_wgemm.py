@@ -225,5 +225,4 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
         scratch_types=[plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [],
         interpret=interpret,
     )
-    out = kernel(eid, x, w, *((scale,) if n_scale else ()))
-    return out
+    return kernel(eid, x, w, *((scale,) if n_scale else ()))
