@@ -97,20 +97,24 @@ def acc_scalar_register(index: tuple[int, ...], e: int) -> tuple[int, ...]:
     return index[:-1] + (e, 0)
 
 
-def _mma_acc_scalars(acc):
-    """acc [64, 8] float32 in MMA_ACC -> the same values in ACC_SCALARS (a register's pair split, none moved)."""
-    out_ty = plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=ACC_SCALARS)
+def relabel_registers(x, in_layout, out_layout, width: int, where):
+    """x, a register array in in_layout -> the same values in out_layout, none moved between threads:
+    each register's vector split into pieces of `width` values, piece j of the register at index i of
+    in_layout's registers becoming out_layout's register where(i, j). GPU only (inline Mosaic GPU)."""
+    out_ty = plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=out_layout)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.MMA_ACC(jnp.bfloat16),), return_type=out_ty)
-    def split(_, v):
-        layout = ACC_SCALARS.to_mgpu()
-        out = np.empty(layout.registers_shape(acc.shape), dtype=object)
-        for index, pair in np.ndenumerate(v.registers):
-            for e in range(2):
-                out[acc_scalar_register(index, e)] = mgpu.utils.vector_slice(pair, slice(e, e + 1))
+    @plgpu.inline_mgpu(arg_types=(in_layout,), return_type=out_ty)
+    def relabel(_, v):
+        layout, given = out_layout.to_mgpu(), in_layout.to_mgpu()
+        if v.registers.shape != given.registers_shape(x.shape):  # where() indexes in_layout's registers
+            raise ValueError(f"registers {v.registers.shape} are not {given}'s for shape {x.shape}")
+        out = np.empty(layout.registers_shape(x.shape), dtype=object)
+        for index, vector in np.ndenumerate(v.registers):
+            for j in range(given.vector_length // width):
+                out[where(index, j)] = mgpu.utils.vector_slice(vector, slice(j * width, (j + 1) * width))
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
 
-    return split(acc)
+    return relabel(x)
 
 
 def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int) -> bool:
@@ -179,7 +183,9 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                     return plgpu.mma(acc, fmt.decode_mma_tile(codes, rows), fmt.load_mma_x(x_smem.T))
 
                 zero = plgpu.layout_cast(jnp.zeros((TN, tm), jnp.float32), plgpu.Layout.MMA_ACC(mma_dtype))
-                o_ref.at[s, b, :, pl.ds(ni * TN, TN)].T[...] = _mma_acc_scalars(pipeline(mma_step, init_carry=zero))
+                acc = relabel_registers(pipeline(mma_step, init_carry=zero), plgpu.Layout.MMA_ACC(mma_dtype),
+                                        ACC_SCALARS, 1, acc_scalar_register)  # a register's pair split
+                o_ref.at[s, b, :, pl.ds(ni * TN, TN)].T[...] = acc
                 return
 
             def acc_scope(*accs):

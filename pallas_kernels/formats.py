@@ -164,21 +164,11 @@ def _mma_operand(values: jax.Array) -> jax.Array:
     """values [64, 16c] bfloat16 in MMA_LHS(uint8)'s layout (what converting 8-bit codes loaded in it
     gives: four adjacent columns of a row a thread) -> warp-level mma's bfloat16 A operand (MMA_LHS),
     K in FP8Weight.mma_k_order: each thread's value pairs relabelled, none moved. GPU only."""
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels._wgemm import relabel_registers
 
-    out_ty = plgpu.ShapeDtypeStruct(values.shape, jnp.bfloat16, layout=plgpu.Layout.MMA_LHS(jnp.bfloat16))
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.MMA_LHS(jnp.uint8),), return_type=out_ty)
-    def relabel(_, v):
-        layout = mgpu.MMALayouts(jnp.bfloat16, m_warps=4).lhs
-        out = np.empty(layout.registers_shape(out_ty.shape), dtype=object)
-        for (_, tile, _, half, rh, *_), quad in np.ndenumerate(v.registers):
-            for h in range(2):
-                out[mma_operand_register(tile, half, rh, h)] = mgpu.utils.vector_slice(quad, slice(2 * h, 2 * h + 2))
-        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
-
-    return relabel(values)
+    where = lambda index, h: mma_operand_register(index[1], index[3], index[4], h)  # (0, tile, 0, half, rh, ...)
+    return relabel_registers(values, plgpu.Layout.MMA_LHS(jnp.uint8), plgpu.Layout.MMA_LHS(jnp.bfloat16), 2, where)
 
 
 def mma_rhs_register(chunk: int, h: int) -> tuple[int, ...]:
@@ -193,21 +183,12 @@ def _load_mma_rhs(x_t, layout) -> jax.Array:
     """x_t [tk, 8] bfloat16 (an SMEM activation tile, transposed) -> warp-level mma's B operand
     (MMA_RHS(bfloat16)), K in the order of `layout`: loaded with four adjacent activations of a row a
     thread (`layout`, a format's mma_x_layout), each register's two pairs relabelled, none moved. GPU only."""
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels._wgemm import relabel_registers
 
-    out_ty = plgpu.ShapeDtypeStruct(x_t.shape, jnp.bfloat16, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
-
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=out_ty)
-    def relabel(_, v):
-        rhs = mgpu.MMALayouts(jnp.bfloat16, m_warps=4).rhs
-        out = np.empty(rhs.registers_shape(out_ty.shape), dtype=object)
-        for chunk, quad in enumerate(v.registers.flat):  # registers in K order: 16 activations of a row each
-            for h in range(2):
-                out[mma_rhs_register(chunk, h)] = mgpu.utils.vector_slice(quad, slice(2 * h, 2 * h + 2))
-        return mgpu.FragmentedArray(_registers=out, _layout=rhs, _is_signed=None)
-
-    return relabel(plgpu.load(x_t, layout=layout))
+    registers = layout.to_mgpu().registers_shape(x_t.shape)  # in K order: 16 activations of a row each
+    where = lambda index, h: mma_rhs_register(int(np.ravel_multi_index(index, registers)), h)
+    return relabel_registers(plgpu.load(x_t, layout=layout), layout, plgpu.Layout.MMA_RHS(jnp.bfloat16), 2, where)
 
 
 def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
