@@ -79,8 +79,8 @@ kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x
                    -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma" 2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="mma_sync=true"  # warp-level mma for NVFP4 and FP8 decode: slower in run 19 with x permuted by
-                                  # XLA; the kernel now loads x in its K order and stores [tm, N] itself (untimed)
+CANDIDATE_TILINGS="decode_ctas_per_sm=4;decode_ctas_per_sm=16"  # the split-K plan of decode blocks, tuned (8) for
+                                  # wgmma before warp-level mma became their default: untimed under mma
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not

@@ -14,7 +14,8 @@ the same products except for such small entries, which bfloat16 operands keep wh
 saves the rescale (two XLA launches a projection: the rows' max, the conversion) for a few more decode
 instructions. Measured on an H100 at Nano dims (NVFP4, one process, interleaved calls): decode 2.1%
 faster at batch 1 and 1.6% at batch 32, prefill of 8 x 512 tokens 2.6% (one 2,048-token prompt within
-noise). Dense weights use their own dtype (bf16/f16).
+noise). Dense weights use their own dtype (bf16/f16). On the GPU, NVFP4 and FP8 weights against decode
+blocks (up to 8 rows of bf16 activations) multiply with warp-level mma rather than wgmma (Tiling.mma_sync).
 """
 
 from __future__ import annotations
@@ -61,16 +62,15 @@ class Tiling:
     a zero-padded copy: at batch 1 an XLA launch fewer before each of ~105 weight kernels a step, same
     products (H100, NANO_NVFP4, gated, interleaved calls: batch 1 2.584 -> 2.547 ms, batch 32 unchanged).
 
-    mma_sync, off (slower in the decode as measured, below): NVFP4 and FP8 weights at blocks of up to 8
-    rows multiply with warp-level mma (m16n8k16) instead of wgmma (_wgemm's mma), on the GPU only (the
-    interpreter keeps wgmma). At M=1 the wgmma kernel moves ~2.9 G NVFP4 values a ms on an H100 whatever
-    its decode costs (a third of the decode's work gave the same rate), 58% of the bytes the HBM could
-    deliver, and FP8 ~2.8 G. Measured (H100, NANO_NVFP4, gated, interleaved calls) with x permuted into
-    mma_k_order by XLA: the M=1 GEMV fit 1.9 µs + bytes / 1,637 GB/s -> 1.6 µs + bytes / 1,888 GB/s (FP8
-    2,779 -> 2,830 GB/s), but decode 3.5% slower at batch 1 and 1.5% at batch 32: the permutation and the
-    [N, tm] output were XLA transposes that no fusion absorbed (83 launches against 78 in a 4-layer step).
-    Since then the kernel loads x in that order itself (the format's load_mma_x) and stores its output as
-    [tm, N] (_wgemm.ACC_SCALARS): no transpose left in XLA, untimed."""
+    mma_sync: NVFP4 and FP8 weights at blocks of up to 8 rows multiply with warp-level mma (m16n8k16)
+    instead of wgmma (_wgemm's mma), on the GPU only (the interpreter keeps wgmma). At M=1 the wgmma
+    kernel moves ~2.9 G NVFP4 values a ms on an H100 whatever its decode costs (a third of the decode's
+    work gave the same rate), 58% of the bytes the HBM could deliver; mma ~3.4 G. The kernel loads x in
+    mma's K order itself (the format's load_mma_x) and stores its output as [tm, N] (_wgemm.ACC_SCALARS).
+    Measured (H100, gated, interleaved calls): the M=1 NVFP4 GEMV 1.8 µs + bytes / 1,626 GB/s -> 1.7 µs
+    + bytes / 1,858 GB/s; NANO_NVFP4 decode 2.577 -> 2.530 ms at batch 1 and 10.024 -> 9.811 ms at batch
+    32; NANO_FP8 unchanged (x0.999 both, same tokens). With x permuted and the output transposed by XLA
+    instead, the same kernels made decode 3.5% slower (83 launches against 78 in a four-layer step)."""
 
     tk: int | None = None
     stages: int = 4
@@ -83,7 +83,7 @@ class Tiling:
     weight_tiles: int = 3
     decode_weight_tiles: int = 1
     unpadded_rows: bool = True
-    mma_sync: bool = False
+    mma_sync: bool = True
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)

@@ -279,14 +279,16 @@ def test_mma_k_order_is_a_permutation_within_chunks():
 @pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its PTX decode run on the GPU only")
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_mma_sync_products(fmt):
-    """Tiling.mma_sync on the GPU: products of 1, 5 and 8 rows (one 8-row block), a split-K plan, one and
-    three tokens' experts, against the float64 reference as the wgmma path is."""
+    """Tiling.mma_sync (the default) on the GPU: products of 1, 5 and 8 rows (one 8-row block), a split-K
+    plan, one and three tokens' experts, against the float64 reference; and the wgmma path it replaces
+    for such blocks, which mma_sync=False keeps."""
     rng = _rng(27)
     w = WEIGHTS[fmt](rng, (), 192, 640)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 640), WEIGHTS[fmt](rng, (4,), 640, 192)
     for rows in (1, 5, 8):
         x = _x(rng, (rows, 640), jnp.bfloat16)
-        for tiling in (Tiling(mma_sync=True), Tiling(mma_sync=True, decode_ctas_per_sm=2, ctas_per_sm=1)):
+        for tiling in (Tiling(mma_sync=True), Tiling(mma_sync=True, decode_ctas_per_sm=2, ctas_per_sm=1),
+                       Tiling(mma_sync=False)):
             _check(linear(x, w, impl=IMPL, tiling=tiling), _f64(x) @ _f64(dequantize(w)).T, TOL_F64[jnp.bfloat16],
                    f"{rows} rows, {tiling}")
     for tokens in (1, 3):
@@ -294,8 +296,9 @@ def test_mma_sync_products(fmt):
         idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
         weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
         want = moe_experts(x, idx, weight, up, down, impl="xla")
-        _check(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(mma_sync=True)), _f64(want),
-               TOL_XLA, f"{tokens} tokens")
+        for mma in (True, False):
+            _check(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(mma_sync=mma)), _f64(want),
+                   TOL_XLA, f"{tokens} tokens, mma_sync={mma}")
 
 
 def test_row_scaling_is_frexp_and_ldexp():
@@ -527,8 +530,8 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=Tiling(unpadded_rows=False))),
                       platforms=["cuda"])(_x(rng, (rows, 2688), jnp.bfloat16), w)
     for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(bf16_operands=False)),
-                           (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False)),
-                           (1, Tiling(mma_sync=True)), (3, Tiling(mma_sync=True))):
+                           (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False)), (3, None),
+                           (1, Tiling(mma_sync=False)), (3, Tiling(mma_sync=False))):
         experts(tokens, tiling)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
     # 128-row blocks is the largest pipeline (FP8: 224 KiB of the 227 KiB of shared memory)
