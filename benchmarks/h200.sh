@@ -53,6 +53,9 @@
 #                                     # MEM*E, launch by launch with the idle gaps summed and the largest named, op by
 #                                     # op and as CUDA graphs (benchmarks/step_trace.py --prefill; default: dense)
 #   bash benchmarks/h200.sh tree-id   # the source digest every part prints first
+#   bash benchmarks/h200.sh counters [CASES] [TILING]  # hardware counters (Nsight Compute) of the weight kernels
+#                                     # (benchmarks/counters.py; default "gemv:nvfp4 moe1:nvfp4 moe32:nvfp4 moe32:fp8"):
+#                                     # occupancy and its limit, DRAM throughput, stall reasons, one report a case
 #   bash benchmarks/h200.sh idle      # thunk sequences (where the CUDA graphs split) and profile of a
 #                                     # 13-layer batch-1 decode, this tree and one extracted to _old
 #
@@ -174,6 +177,21 @@ case "${1:-}" in
            # XLA's autotuning off
     for batch in 1 32; do leg 280 benchmarks/compile.py --variants default,autotune0 --batch $batch; done ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
+  counters) # ncu replays each profiled launch once a metric pass, two warm launches a case (the moe cases: up, down);
+            # clocks left alone (--clock-control none), as the timed legs run them
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "== no ncu on this machine"; exit 1; }
+    mkdir -p "$OUT"
+    for case in ${2:-gemv:nvfp4 moe1:nvfp4 moe32:nvfp4 moe32:fp8}; do
+      report="$OUT/counters-${case/:/-}.txt"
+      timeout 120 "$ncu" --clock-control none -k 'regex:wgemm' --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+        python3 benchmarks/counters.py ${case/:/ } ${3:+--tiling "$3"} > "$report" 2>&1
+      echo "== $case (rc $?, $report)"
+      grep -E "Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy" "$report"
+      grep -E "Block Limit (Reg|Shared)|Warp Cycles Per Issued|Issue Slots Busy|Grid Size" "$report" | head -12
+    done ;;
   idle) # where the decode step's CUDA graphs split: XLA's thunk sequences of the 13-layer batch-1 decode
         # program, this tree and (when present) an older one extracted to _old, e.g. a8f5353 with
         # `git archive a8f5353 | tar -x -C _old` (copy this benchmarks/profile.py over its own)

@@ -2,7 +2,8 @@
 tiny, on the CPU, where both sides run the reference, so the errors are bf16 against fp32 rounding; its
 fp32 reference moving to the host when the device is full), its margin check's perturbation, the HBM
 ceiling and tiling parser of benchmarks/common.py, the sampler benchmark's check, the SSD benchmark's
-comparison of trees, and decode.py's count of the experts a batch step reads (benchmarks/routing.py)."""
+comparison of trees, the hardware-counter target's case, and decode.py's count of the experts a batch
+step reads (benchmarks/routing.py)."""
 
 from __future__ import annotations
 
@@ -261,6 +262,21 @@ def test_sampler_benchmark_checks_its_cut_then_times(tmp_path, monkeypatch):
     assert done.value.code == 0
     assert [r["cut_rows_agreeing"] + r["rows_at_boundary"] for r in records] == [1, 9]
     assert set(records[1]["us"]) == {f"sample {name}" for name in sampler.SETTINGS} | {"cut alone", "sorted cut alone"}
+
+
+def test_counter_target_runs_its_case_under_the_given_tiling(monkeypatch, capsys):
+    """benchmarks/counters.py (a profiler's target) calls its op CALLS times under the tiling it is given;
+    here the reference op, as a CPU has no Mosaic GPU kernel."""
+    import sys
+
+    import benchmarks.counters as counters
+
+    monkeypatch.setattr(sys, "argv", ["counters.py", "gemv", "nvfp4", "--tiling", "stages=6", "--impl", "xla"])
+    counters.main()
+    assert capsys.readouterr().out.startswith(f"gemv nvfp4 {Tiling(stages=6)}: {counters.CALLS} calls")
+    with pytest.raises(ValueError, match="bad tiling item"):
+        monkeypatch.setattr(sys, "argv", ["counters.py", "gemv", "nvfp4", "--tiling", "stage=6"])
+        counters.main()
 
 
 def test_ssd_benchmark_compares_trees_against_the_recurrence():
