@@ -1,8 +1,10 @@
 """Where compile time goes: the prefill and decode programs at Nano dims, under sets of XLA flags.
 
     PYTHONPATH=. python3 benchmarks/compile.py [--layout NANO_NVFP4] [--variants default,autotune0]
-        [--batch 1] [--prompt 128] [--steps 32] [--pattern P] [--dims JSON] [--out DIR]
-    PYTHONPATH=. python3 benchmarks/compile.py --lower-only 1,32   # any machine, the CPU too
+        [--batch 1] [--prompt 128] [--steps 32] [--pattern P] [--dims JSON] [--tiling T] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/compile.py --lower-only 1,32 [--tiling T]   # any machine, the CPU too
+
+--tiling: the kernel tiling every Pallas op takes (e.g. "lane_lowering=true"), in every variant.
 
 Each variant runs in a fresh process (XLA reads its flags once) with the persistent compilation cache
 off. Per variant: for `batch` prompts of `prompt` tokens (a decode batch of more than 8 rows holds XLA
@@ -36,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import NANO_DIMS, NANO_PATTERN, wall_s
+from benchmarks.common import NANO_DIMS, NANO_PATTERN, parse_tilings, wall_s
 
 VARIANTS = {
     "default": "",
@@ -179,12 +181,18 @@ def main() -> int:
     ap.add_argument("--dims", default=str(NANO_DIMS), help="config.json fields giving the widths (default: Nano's)")
     ap.add_argument("--lower-only", default="", metavar="BATCHES",
                     help="only trace and lower the decode program for the GPU at these batch sizes (any machine)")
+    ap.add_argument("--tiling", default="", help='kernel tiling of every Pallas op, e.g. "lane_lowering=true"')
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tiling:
+        from pallas_kernels import _blocked
+
+        (_blocked.DEFAULT_TILING,) = parse_tilings(args.tiling)
     if args.lower_only:
         for r in lowering(args.layout, [int(b) for b in args.lower_only.split(",")], args.prompt, args.pattern,
                           args.dims):
-            print(f"{args.layout} batch {r['batch']}: decode trace {r['trace_s']:.2f} s, lower for the GPU "
+            print(f"{args.layout} batch {r['batch']}{', tiling ' + args.tiling if args.tiling else ''}: decode trace "
+                  f"{r['trace_s']:.2f} s, lower for the GPU "
                   f"{r['lower_s']:.2f} s, {r['mosaic_kernels']} Mosaic kernels in the module", flush=True)
         return 0
     if args.child:
@@ -196,17 +204,20 @@ def main() -> int:
         flags = VARIANTS[name]
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
         cmd = [sys.executable, __file__, "--child", "--layout", args.layout, "--batch", str(args.batch),
-               "--prompt", str(args.prompt), "--steps", str(args.steps), "--pattern", args.pattern, "--dims", args.dims]
+               "--prompt", str(args.prompt), "--steps", str(args.steps), "--pattern", args.pattern, "--dims", args.dims,
+               "--tiling", args.tiling]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
             print(f"{name}: FAILED rc={done.returncode}: {done.stderr[-1500:]}", flush=True)
             continue
-        r = {"variant": name, "xla_flags": flags, "layout": args.layout, "batch": args.batch,
+        r = {"variant": name, "xla_flags": flags, "tiling": args.tiling or "default", "layout": args.layout,
+             "batch": args.batch,
              **json.loads(done.stdout.splitlines()[-1])}
         with (out / "compile.jsonl").open("a") as f:
             f.write(json.dumps(r) + "\n")
         p, d = r["prefill"], r["decode"]
-        print(f"{name} ({flags or 'no flags'}), batch {args.batch}: prefill lower {p['lower_s']:.1f} s "
+        print(f"{name} ({flags or 'no flags'}{', tiling ' + args.tiling if args.tiling else ''}), batch {args.batch}: "
+              f"prefill lower {p['lower_s']:.1f} s "
               f"compile {p['compile_s']:.1f} s (Mosaic calls {p['mosaic_calls']}); decode lower {d['lower_s']:.1f} s "
               f"compile {d['compile_s']:.1f} s (Mosaic calls {d['mosaic_calls']}); "
               f"decode {r['decode_ms_per_step_ungated']:.3f} ms/step ungated",

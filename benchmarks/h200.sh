@@ -16,11 +16,11 @@
 #   bash benchmarks/h200.sh kernels   # MoE experts op alone, 1 and 32 tokens, each format, tilings swept
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
 #                                     # bf16 operands, several weight tiles a CTA, rows read without a padded copy,
-#                                     # NVFP4 and FP8 through warp-level mma)
+#                                     # NVFP4 and FP8 through warp-level mma, lane-level lowering)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
-#   bash benchmarks/h200.sh compile   # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as it is
-#                                     # and with XLA's autotuning off
+#   bash benchmarks/h200.sh compile [TILING]  # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as
+#                                     # it is and with XLA's autotuning off (every kernel under TILING if given)
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
@@ -79,7 +79,8 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # the kernel tests that a GPU runs differently from the interpreter (Mosaic, PTX, mma, TMA fills)
 kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-                   -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma" 2>&1 \
+                   -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane" \
+                   2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
 CANDIDATE_TILINGS="decode_ctas_per_sm=4;decode_ctas_per_sm=16"  # the split-K plan of decode blocks, tuned (8) for
@@ -175,7 +176,7 @@ case "${1:-}" in
          leg 150 benchmarks/kernels.py --only scaling --formats nvfp4,fp8,bf16 ;;
   compile) # batch 1 (no XLA GEMMs in the step), then batch 32 (XLA's GEMMs: the router), each as it is and with
            # XLA's autotuning off
-    for batch in 1 32; do leg 280 benchmarks/compile.py --variants default,autotune0 --batch $batch; done ;;
+    for batch in 1 32; do leg 280 benchmarks/compile.py --variants default,autotune0 --batch $batch ${2:+--tiling "$2"}; done ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   counters) # ncu replays each profiled launch once a metric pass, two warm launches a case (the moe cases: up, down);
             # clocks left alone (--clock-control none), as the timed legs run them

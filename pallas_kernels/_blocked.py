@@ -70,7 +70,12 @@ class Tiling:
     Measured (H100, gated, interleaved calls): the M=1 NVFP4 GEMV 1.8 µs + bytes / 1,626 GB/s -> 1.7 µs
     + bytes / 1,858 GB/s; NANO_NVFP4 decode 2.577 -> 2.530 ms at batch 1 and 10.024 -> 9.811 ms at batch
     32; NANO_FP8 unchanged (x0.999 both, same tokens). With x permuted and the output transposed by XLA
-    instead, the same kernels made decode 3.5% slower (83 launches against 78 in a four-layer step)."""
+    instead, the same kernels made decode 3.5% slower (83 launches against 78 in a four-layer step).
+
+    lane_lowering: Mosaic GPU lowers the kernels at lane level, without its layout-inference pass (_wgemm's
+    module docstring): the Python part of a program's compile. Lowering the NANO_NVFP4 decode program for
+    the GPU on a 2-core CPU: 1.80 -> 1.02 s at batch 1, 2.51 -> 1.32 s at batch 32. Not yet run on a GPU
+    (the lowered kernels differ in index arithmetic and shuffles), so off by default."""
 
     tk: int | None = None
     stages: int = 4
@@ -84,6 +89,7 @@ class Tiling:
     decode_weight_tiles: int = 1
     unpadded_rows: bool = True
     mma_sync: bool = True
+    lane_lowering: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -218,7 +224,7 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, 
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles, tm=tm, mma=mma,
-                      interpret=interpret_params(impl))
+                      lane=tiling.lane_lowering, interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.
         out = jax.block_until_ready(out)

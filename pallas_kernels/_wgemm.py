@@ -32,6 +32,12 @@ warp-level mma (m16n8k16, each warp 16 weight rows, its accumulator in registers
 of wgmma, the weight decoded straight into mma's A layout (the format's `decode_mma_tile`, K in its
 `mma_k_order`; x loaded in the same order by its `load_mma_x`), the accumulator stored to the [tm, N]
 output value by value (ACC_SCALARS). GPU only (the interpreter runs neither mma nor PTX).
+
+Lowering: by default Mosaic GPU lowers a kernel at warpgroup level, a layout-inference pass giving every
+register array its layout before each op is lowered to lanes. These kernels give their arrays' layouts
+explicitly (the loads', layout_cast, the accumulators'), so they also lower at lane level (`lane`), each op
+taking its operands' layouts as they are, without that pass. The two lowerings emit different index
+arithmetic and shuffles: not the same kernels.
 """
 
 from __future__ import annotations
@@ -125,15 +131,17 @@ def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
-                                             "mma", "interpret"))
+                                             "mma", "lane", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                ptx: bool = False, tiles: int = 1, tm: int | None = None, mma: bool = False, interpret=None):
+                ptx: bool = False, tiles: int = 1, tm: int | None = None, mma: bool = False, lane: bool = False,
+                interpret=None):
     """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, rows, K]
     is every block's rows (one token's experts all read the same row). tm: rows of a block (default:
     x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a decode
     token's row). tiles: 64-row weight tiles one CTA multiplies with each activation tile it streams
     (the activation traffic divided by tiles; a last CTA's tiles past N read zeros and store nothing).
-    mma: warp-level mma for 8-row blocks (module docstring)."""
+    mma: warp-level mma for 8-row blocks (module docstring). lane: Mosaic GPU lowers the kernel at lane level
+    (LoweringSemantics.Lane) instead of warpgroup level, skipping its layout inference (module docstring)."""
     (num_blocks,), (x_blocks, rows, kx) = eid.shape, x.shape
     tm = tm or rows
     if x_blocks not in (1, num_blocks):
@@ -230,5 +238,6 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
         grid_names=("n", "b", "s"),
         scratch_types=[plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [],
         interpret=interpret,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane) if lane else None,
     )
     return kernel(eid, x, w, *((scale,) if n_scale else ()))

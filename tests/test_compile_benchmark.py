@@ -1,6 +1,6 @@
 """benchmarks/compile.py: the Mosaic kernel count of a program's HLO, one in-process measurement of
-both programs' compile (a tiny model on the CPU: seconds, host events, a timed decode), and the decode
-program lowered for the GPU on the CPU."""
+both programs' compile (a tiny model on the CPU: seconds, host events, a timed decode), the decode
+program lowered for the GPU on the CPU, and the tiling the kernels take."""
 
 from __future__ import annotations
 
@@ -51,3 +51,21 @@ def test_lowering_lowers_the_whole_decode_program_for_the_gpu(tmp_path):
     for r in (r1, r4):
         assert r["trace_s"] > 0 and r["lower_s"] > 0
         assert r["mosaic_kernels"] >= 4, r  # the MoE's two, Mamba's in/out projections at least
+
+
+def test_tiling_option_applies_to_every_kernel(tmp_path, monkeypatch, capsys):
+    """--tiling becomes the tiling every Pallas op takes (here lane-level lowering, whose lowering time is
+    the comparison), and the report says so."""
+    import sys
+
+    from benchmarks.compile import main
+    from pallas_kernels import _blocked
+
+    dims = tmp_path / "dims.json"
+    dims.write_text(json.dumps(QUANTISABLE_WIDTHS))
+    monkeypatch.setattr(_blocked, "DEFAULT_TILING", _blocked.DEFAULT_TILING)  # restored afterwards
+    monkeypatch.setattr(sys, "argv", ["compile.py", "--lower-only", "1", "--tiling", "lane_lowering=true",
+                                      "--pattern", "ME*M", "--dims", str(dims), "--prompt", "5"])
+    assert main() == 0
+    assert _blocked.DEFAULT_TILING == _blocked.Tiling(lane_lowering=True)
+    assert "NANO_NVFP4 batch 1, tiling lane_lowering=true: decode trace" in capsys.readouterr().out
