@@ -4,7 +4,7 @@
         [--batch 1] [--prompt 128] [--steps 32] [--pattern P] [--dims JSON] [--tiling T] [--out DIR]
     PYTHONPATH=. python3 benchmarks/compile.py --lower-only 1,32 [--tiling T]   # any machine, the CPU too
 
---tiling: the kernel tiling every Pallas op takes (e.g. "lane_lowering=true"), in every variant.
+--tiling: the kernel tiling every Pallas op takes (e.g. "lane_lowering=false"), in every variant.
 
 Each variant runs in a fresh process (XLA reads its flags once) with the persistent compilation cache
 off. Per variant: for `batch` prompts of `prompt` tokens (a decode batch of more than 8 rows holds XLA
@@ -181,7 +181,7 @@ def main() -> int:
     ap.add_argument("--dims", default=str(NANO_DIMS), help="config.json fields giving the widths (default: Nano's)")
     ap.add_argument("--lower-only", default="", metavar="BATCHES",
                     help="only trace and lower the decode program for the GPU at these batch sizes (any machine)")
-    ap.add_argument("--tiling", default="", help='kernel tiling of every Pallas op, e.g. "lane_lowering=true"')
+    ap.add_argument("--tiling", default="", help='kernel tiling of every Pallas op, e.g. "lane_lowering=false"')
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tiling:

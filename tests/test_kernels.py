@@ -512,7 +512,7 @@ def test_route_blocks_ways_agree():
 def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
     """The GPU kernels lower to Mosaic GPU on a CPU-only machine (export for "cuda"): register layouts,
     TMA block shapes, the decode's register ops and the shared memory budget are checked in CI, not
-    first on the GPU; at warpgroup level (the default) and at lane level (Tiling.lane_lowering)."""
+    first on the GPU; at lane level (Tiling.lane_lowering, the default) and at warpgroup level."""
     from jax import export
 
     rng = _rng(6)
@@ -539,9 +539,9 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
     export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas")), platforms=["cuda"])(
         _x(rng, (256, 2688), jnp.bfloat16), w)
     for tokens, tiling in ((300, None), (300, Tiling(moe_block_rows=128)), (32, Tiling(decode_weight_tiles=2)),
-                           (300, Tiling(lane_lowering=True)), (32, Tiling(lane_lowering=True)),
-                           (1, Tiling(lane_lowering=True)), (1, Tiling(lane_lowering=True, mma_sync=False)),
-                           (100, Tiling(lane_lowering=True, bf16_operands=False))):
+                           (300, Tiling(lane_lowering=False)), (32, Tiling(lane_lowering=False)),
+                           (1, Tiling(lane_lowering=False)), (1, Tiling(lane_lowering=False, mma_sync=False)),
+                           (100, Tiling(lane_lowering=False, bf16_operands=False))):
         experts(tokens, tiling)
 
 
@@ -600,33 +600,34 @@ def test_unpadded_rows_drop_the_pad():
 @pytest.mark.skipif(IMPL != "pallas", reason="the interpreter takes no lowering: both sides would be one run")
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
 def test_lane_lowering_same_products(fmt, monkeypatch):
-    """Tiling.lane_lowering (Mosaic GPU's lane-level lowering) gives the warpgroup-level lowering's outputs bit
-    for bit on the GPU: the same operations in the same order, lowered by another route. Decode rows
-    (warp-level mma for the quantised formats, wgmma with mma_sync=False), a split-K plan, float32 rows,
-    prefill-size blocks with three weight tiles a CTA, one, three and 100 tokens' experts."""
+    """Tiling.lane_lowering (the default: Mosaic GPU's lane-level lowering) gives the warpgroup-level
+    lowering's outputs bit for bit on the GPU: the same operations in the same order, lowered by another
+    route. Decode rows (warp-level mma for the quantised formats, wgmma with mma_sync=False), a split-K
+    plan, float32 rows, prefill-size blocks with three weight tiles a CTA, one, three and 100 tokens'
+    experts."""
     rng = _rng(28)
     w = WEIGHTS[fmt](rng, (), 192, 640)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 640), WEIGHTS[fmt](rng, (4,), 640, 192)
-    lane = lambda tiling: dataclasses.replace(tiling, lane_lowering=True)
+    warpgroup = lambda tiling: dataclasses.replace(tiling, lane_lowering=False)
     for rows, dtype in ((1, jnp.bfloat16), (5, jnp.bfloat16), (5, jnp.float32), (40, jnp.bfloat16)):
         x = _x(rng, (rows, 640), dtype)
         for tiling in (Tiling(), Tiling(mma_sync=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)):
-            _same_bits(linear(x, w, impl=IMPL, tiling=lane(tiling)), linear(x, w, impl=IMPL, tiling=tiling),
+            _same_bits(linear(x, w, impl=IMPL, tiling=tiling), linear(x, w, impl=IMPL, tiling=warpgroup(tiling)),
                        f"{rows} rows of {dtype.__name__}, {tiling}")
     for tokens in (1, 3, 100):
         x = _x(rng, (tokens, 640), jnp.bfloat16)
         idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
         weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
-        _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=lane(Tiling())),
-                   moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling()), f"{tokens} tokens")
+        _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling()),
+                   moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=warpgroup(Tiling())), f"{tokens} tokens")
     monkeypatch.setattr(_blocked, "num_sms", lambda: 1)  # a grid that fills the GPU: three tiles a CTA
     x = _x(rng, (256, 640), jnp.bfloat16)
-    _same_bits(linear(x, w, impl=IMPL, tiling=lane(Tiling())), linear(x, w, impl=IMPL, tiling=Tiling()), "256 rows")
+    _same_bits(linear(x, w, impl=IMPL, tiling=Tiling()), linear(x, w, impl=IMPL, tiling=warpgroup(Tiling())), "256 rows")
 
 
 def test_lane_lowering_skips_layout_inference(monkeypatch):
-    """What lane_lowering is for: the kernels lower for the GPU without Mosaic GPU's layout-inference pass
-    (the warpgroup-level lowering runs it once a kernel)."""
+    """What lane_lowering (the default) is for: the kernels lower for the GPU without Mosaic GPU's
+    layout-inference pass (the warpgroup-level lowering runs it once a kernel)."""
     from jax import export
     from jax.experimental.mosaic.gpu import layout_inference
 
@@ -638,8 +639,8 @@ def test_lane_lowering_skips_layout_inference(monkeypatch):
     lowered = lambda tiling: export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=tiling)),
                                            platforms=["cuda"])(x, w)
     lowered(Tiling())
-    assert len(passes) == 1
-    lowered(Tiling(lane_lowering=True))
+    assert not passes
+    lowered(Tiling(lane_lowering=False))
     assert len(passes) == 1
 
 
