@@ -33,7 +33,7 @@ of wgmma, the weight decoded straight into mma's A layout (the format's `decode_
 `mma_k_order`; x loaded in the same order by its `load_mma_x`), the accumulator stored to the [tm, N]
 output value by value (ACC_SCALARS). GPU only (the interpreter runs neither mma nor PTX).
 
-Lowering: Mosaic GPU's default lowers a kernel at warpgroup level, a layout-inference pass giving every
+Lowering: by default Mosaic GPU lowers a kernel at warpgroup level, a layout-inference pass giving every
 register array its layout before each op is lowered to lanes. These kernels give their arrays' layouts
 explicitly (the loads', layout_cast, the accumulators'), so they also lower at lane level (`lane`), each op
 taking its operands' layouts as they are, without that pass: the same products bit for bit, in less
