@@ -76,6 +76,12 @@ def _same_bits(got, want, what):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=what)
 
 
+def _routes(rng, tokens):
+    """Each of `tokens` tokens' two distinct experts of 4 (int32 [tokens, 2]) and their weights (float32)."""
+    idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
+    return idx, jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+
+
 def _check(y, ref, tol, what):
     y, ref = _f64(y), np.asarray(ref, np.float64)
     assert y.shape == ref.shape, (what, y.shape, ref.shape)
@@ -293,8 +299,7 @@ def test_mma_sync_products(fmt):
                    f"{rows} rows, {tiling}")
     for tokens in (1, 3):
         x = _x(rng, (tokens, 640), jnp.bfloat16)
-        idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
-        weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+        idx, weight = _routes(rng, tokens)
         want = moe_experts(x, idx, weight, up, down, impl="xla")
         for mma in (True, False):
             _check(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(mma_sync=mma)), _f64(want),
@@ -581,8 +586,7 @@ def test_unpadded_rows_same_products(fmt):
             _same_bits(got, padded, f"{rows} rows of {dtype.__name__}, {tiling}")
     for tokens in (1, 3):
         x = _x(rng, (tokens, 320), jnp.bfloat16)
-        idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
-        weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+        idx, weight = _routes(rng, tokens)
         padded = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(unpadded_rows=False))
         got = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(unpadded_rows=True))
         _same_bits(got, padded, f"{tokens} tokens")
@@ -616,8 +620,7 @@ def test_lane_lowering_same_products(fmt, monkeypatch):
                        f"{rows} rows of {dtype.__name__}, {tiling}")
     for tokens in (1, 3, 100):
         x = _x(rng, (tokens, 640), jnp.bfloat16)
-        idx = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(tokens)]).astype(np.int32))
-        weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+        idx, weight = _routes(rng, tokens)
         _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling()),
                    moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=warpgroup(Tiling())), f"{tokens} tokens")
     monkeypatch.setattr(_blocked, "num_sms", lambda: 1)  # a grid that fills the GPU: three tiles a CTA
