@@ -78,7 +78,13 @@ class Tiling:
     (NANO_NVFP4, batch 1, one process each): on an H200, decode program lower + compile 7.1 + 18.4 -> 5.1 +
     14.7 s, prefill 7.4 + 35.5 -> 3.2 + 30.3 s (Mosaic's own compile of the 11 decode kernels 4.1 -> 3.0
     s); on a 2-core CPU, lowering the decode program for the GPU 1.80 -> 1.02 s (batch 1) and 2.51 -> 1.32
-    s (batch 32), the 2,048-token prefill program 9.2 -> 1.6 s."""
+    s (batch 32), the 2,048-token prefill program 9.2 -> 1.6 s.
+
+    store_real_rows: where an op's activations fill less than its block (unpadded_rows: a decode token's
+    row, 1-7 rows of a batch), the kernel stores only those rows of its float32 split-K partial sums, not
+    all tm: at batch 1 an eighth of the bytes each weight kernel writes and the XLA reduction after it
+    reads (otherwise ~15-23% of a Nano decode weight kernel's weight bytes: splits x 8 rows x N x 4).
+    blocked_linear then returns those rows only; a one-token MoE's hidden activations are one row a block."""
 
     tk: int | None = None
     stages: int = 4
@@ -93,6 +99,7 @@ class Tiling:
     unpadded_rows: bool = True
     mma_sync: bool = True
     lane_lowering: bool = True
+    store_real_rows: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -209,9 +216,10 @@ def row_blocks(x, tm: int, tiling: Tiling | None = None):
 
 
 def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, tm: int | None = None):
-    """y[b] = xb[b] @ dequant(W[eid[b]])^T, float32 [B, tm, N] for B = len(eid); xb [B, tm, K], or
-    [1, tm, K] for rows every block reads; tm (default: xb's rows) may exceed xb's rows, which the
-    kernel then extends with zero rows. impl is "pallas" or "interpret"."""
+    """y[b] = xb[b] @ dequant(W[eid[b]])^T, float32 [B, R, N] for B = len(eid); xb [B, rows, K], or
+    [1, rows, K] for rows every block reads; tm (default: xb's rows) may exceed xb's rows, which the
+    kernel then extends with zero rows. R = tm, or xb's rows under tiling.store_real_rows (the rows past
+    them are zeros). impl is "pallas" or "interpret"."""
     tiling = tiling or DEFAULT_TILING
     _, rows, k = xb.shape
     tm = tm or rows
@@ -227,9 +235,10 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, 
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles, tm=tm, mma=mma,
-                      lane=tiling.lane_lowering, interpret=interpret_params(impl))
+                      lane=tiling.lane_lowering, out_rows=rows if tiling.store_real_rows else tm,
+                      interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.
         out = jax.block_until_ready(out)
     y = out.sum(axis=0)[:, :, :n] * post[eid][:, None, None]
-    return y if row_exp is None else y * pow2(_pad_axis(row_exp, 1, tm))[..., None]  # rows past xb's: zeros
+    return y if row_exp is None else y * pow2(_pad_axis(row_exp, 1, y.shape[1]))[..., None]  # rows past xb's: zeros

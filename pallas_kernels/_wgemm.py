@@ -131,23 +131,29 @@ def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
-                                             "mma", "lane", "interpret"))
+                                             "mma", "lane", "out_rows", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
                 ptx: bool = False, tiles: int = 1, tm: int | None = None, mma: bool = False, lane: bool = False,
-                interpret=None):
-    """Blocked product, float32 [splits, B, tm, N] (see module docstring); B = len(eid), and x [1, rows, K]
-    is every block's rows (one token's experts all read the same row). tm: rows of a block (default:
-    x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a decode
-    token's row). tiles: 64-row weight tiles one CTA multiplies with each activation tile it streams
+                out_rows: int | None = None, interpret=None):
+    """Blocked product, float32 [splits, B, out_rows, N] (see module docstring); B = len(eid), and x
+    [1, rows, K] is every block's rows (one token's experts all read the same row). tm: rows of a block
+    (default: x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a
+    decode token's row). out_rows: the rows of each block's product stored (default tm), at least x's
+    rows: fewer than tm stores only those (a decode token's one row of partial sums, not tm), through an
+    SMEM tile and a TMA copy of its first out_rows rows. tiles: 64-row weight tiles one CTA multiplies with each activation tile it streams
     (the activation traffic divided by tiles; a last CTA's tiles past N read zeros and store nothing).
     mma: warp-level mma for 8-row blocks (module docstring). lane: Mosaic GPU lowers the kernel at lane level
     (LoweringSemantics.Lane) instead of warpgroup level, skipping its layout inference (module docstring)."""
     (num_blocks,), (x_blocks, rows, kx) = eid.shape, x.shape
     tm = tm or rows
+    out_rows = out_rows or tm
     if x_blocks not in (1, num_blocks):
         raise ValueError(f"x has {x_blocks} blocks for {num_blocks} expert ids: must be 1 or {num_blocks}")
     if rows > tm:
         raise ValueError(f"x blocks of {rows} rows for a kernel block of tm={tm} rows")
+    if not rows <= out_rows <= tm or (out_rows < tm and out_rows > SMEM_TILE_ROWS and out_rows % SMEM_TILE_ROWS):
+        raise ValueError(f"out_rows={out_rows} for x blocks of {rows} rows and tm={tm}: must lie between them, "
+                         f"below {SMEM_TILE_ROWS} or a multiple of it (a TMA copy's rows)")
     _, n, _ = w.shape
     tkx = tk * (fmt.K_PER_ELEMENT if fmt else 1)
     steps = -(-kx // (tkx * splits))
@@ -168,7 +174,20 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
 
     def wgemm(eid_ref, x_ref, w_ref, *refs):
         s_ref, refs = (refs[0], refs[1:]) if n_scale else (None, refs)
-        o_ref, a_smem = refs[0], (refs[1] if stage_a else None)
+        o_ref, *scratch = refs
+        a_smem = scratch.pop(0) if stage_a else None
+        o_smem = scratch.pop(0) if out_rows < tm else None
+
+        def store_out(acc, n0):
+            """acc [64, tm] (a layout whose transposed store Mosaic takes) -> out[s, b, :, n0:n0+64]^T."""
+            if o_smem is None:
+                o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = acc
+                return
+            o_smem.T[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[:out_rows], o_ref.at[s, b, :, pl.ds(n0, TN)])
+            plgpu.wait_smem_to_gmem(0)
+
         ni, b, s = lax.axis_index("n"), lax.axis_index("b"), lax.axis_index("s")
         e = eid_ref[b]
 
@@ -193,7 +212,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                 zero = plgpu.layout_cast(jnp.zeros((TN, tm), jnp.float32), plgpu.Layout.MMA_ACC(mma_dtype))
                 acc = relabel_registers(pipeline(mma_step, init_carry=zero), plgpu.Layout.MMA_ACC(mma_dtype),
                                         ACC_SCALARS, 1, acc_scalar_register)  # a register's pair split
-                o_ref.at[s, b, :, pl.ds(ni * TN, TN)].T[...] = acc
+                store_out(acc, ni * TN)
                 return
 
             def acc_scope(*accs):
@@ -224,7 +243,7 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
 
                 def store(n0=n0, acc=acc):  # WGMMA_TRANSPOSED pairs registers along the weight rows (one shuffle
                     # away from WGMMA), so each thread stores adjacent n of the row-major output tile
-                    o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+                    store_out(plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED), n0)
 
                 if n % tn:  # the last CTA's tiles may lie past N
                     pl.when(n0 < n)(store)
@@ -233,10 +252,11 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
 
     kernel = plgpu.kernel(
         wgemm,
-        out_type=jax.ShapeDtypeStruct((splits, num_blocks, tm, n), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, num_blocks, out_rows, n), jnp.float32),
         grid=(-(-n // tn), num_blocks, splits),
         grid_names=("n", "b", "s"),
-        scratch_types=[plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [],
+        scratch_types=([plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [])
+        + ([plgpu.SMEM((tm, TN), jnp.float32)] if out_rows < tm else []),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane) if lane else None,
     )

@@ -141,9 +141,13 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     xb, up = _quantized_blocks(xb, block_expert, up)
     h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling, tm), 0.0)).astype(x.dtype)
     h, down = _quantized_blocks(h, block_expert, down)
-    o = blocked_linear(h, block_expert, down, impl, tiling).reshape(slot_pair.shape[0], -1)
-    # A left-out pair's slot is past the end: it reads zero. Slots of unused blocks (left unwritten) are never read.
+    o = blocked_linear(h, block_expert, down, impl, tiling, tm)
+    # A block's product may hold fewer than tm rows (Tiling.store_real_rows: a single token's one row), each
+    # pair's slot among them: the same place in its block. A left-out pair's slot is past the end: it
+    # reads zero. Slots of unused blocks (left unwritten) are never read.
+    held = o.shape[1]
+    o = o.reshape(-1, o.shape[-1])
     # Each token's k expert rows weighted and summed in fp32: elementwise and a sum over k, which XLA fuses
     # (a dot would be a separate GEMM).
-    rows = o.at[pair_slot].get(mode="fill", fill_value=0.0).reshape(t, k, -1)
+    rows = o.at[pair_slot // tm * held + pair_slot % tm].get(mode="fill", fill_value=0.0).reshape(t, k, -1)
     return (rows * expert_weight.astype(jnp.float32)[:, :, None]).sum(axis=1).astype(x.dtype)
