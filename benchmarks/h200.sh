@@ -84,8 +84,10 @@ kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x
                    2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="decode_ctas_per_sm=4;decode_ctas_per_sm=16"  # the split-K plan of decode blocks, tuned (8) for
-                                  # wgmma before warp-level mma became their default: untimed under mma
+CANDIDATE_TILINGS="lane_lowering=false"  # the warpgroup-level lowering, the default before lane level (same
+                                  # products on the GPU; the gated decode A/B of the two is not yet run). The
+                                  # split-K plan under mma: 4 and 16 CTAs an SM made the GEMV alone slower than
+                                  # 8 (Nsight Compute, run 22), so not pending
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not

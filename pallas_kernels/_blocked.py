@@ -84,7 +84,10 @@ class Tiling:
     row, 1-7 rows of a batch), the kernel stores only those rows of its float32 split-K partial sums, not
     all tm: at batch 1 an eighth of the bytes each weight kernel writes and the XLA reduction after it
     reads (otherwise ~15-23% of a Nano decode weight kernel's weight bytes: splits x 8 rows x N x 4).
-    blocked_linear then returns those rows only; a one-token MoE's hidden activations are one row a block."""
+    blocked_linear then returns those rows only; a one-token MoE's hidden activations are one row a block.
+    Same products (GPU tests, every format). Measured (H100, NANO_NVFP4, gated, interleaved calls): batch 1
+    2.623 -> 2.524 ms, batch 32 unchanged (x1.002, same tokens); the one-token experts' kernels 22.6 ->
+    21.6 µs (NVFP4) and 28.2 -> 26.6 µs (FP8)."""
 
     tk: int | None = None
     stages: int = 4
@@ -99,7 +102,7 @@ class Tiling:
     unpadded_rows: bool = True
     mma_sync: bool = True
     lane_lowering: bool = True
-    store_real_rows: bool = False
+    store_real_rows: bool = True
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)

@@ -5,8 +5,9 @@ For each block b of `tm` activation rows and each 64-row tile of its weight W[ei
 (split-K; the caller sums over s). Weights sit on the wgmma M side (64 rows, the Hopper minimum),
 activations on the N side (tm = 8..128), so decode (M = 1..8) wastes no weight bandwidth; the [64, tm]
 accumulator is stored transposed, so the output is row-major [tm, N] per block as its consumers read it
-(no transpose pass in XLA). A CTA may take `tiles` adjacent weight tiles, each with its own
-accumulator, against each activation tile it streams (a block's activations are read once per CTA).
+(no transpose pass in XLA), or only its first rows where the activations hold fewer (out_rows). A CTA
+may take `tiles` adjacent weight tiles, each with its own accumulator, against each activation tile it
+streams (a block's activations are read once per CTA).
 Quantised weights are decoded in registers right before the wgmma (never written back).
 
 Operands (`fmt` is None for a dense weight, else a format class of pallas_kernels.formats, or another
@@ -140,10 +141,11 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     (default: x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a
     decode token's row). out_rows: the rows of each block's product stored (default tm), at least x's
     rows: fewer than tm stores only those (a decode token's one row of partial sums, not tm), through an
-    SMEM tile and a TMA copy of its first out_rows rows. tiles: 64-row weight tiles one CTA multiplies with each activation tile it streams
-    (the activation traffic divided by tiles; a last CTA's tiles past N read zeros and store nothing).
-    mma: warp-level mma for 8-row blocks (module docstring). lane: Mosaic GPU lowers the kernel at lane level
-    (LoweringSemantics.Lane) instead of warpgroup level, skipping its layout inference (module docstring)."""
+    SMEM tile and a TMA copy of its first out_rows rows. tiles: 64-row weight tiles one CTA multiplies
+    with each activation tile it streams (the activation traffic divided by tiles; a last CTA's tiles past
+    N read zeros and store nothing). mma: warp-level mma for 8-row blocks (module docstring). lane: Mosaic
+    GPU lowers the kernel at lane level (LoweringSemantics.Lane) instead of warpgroup level, skipping its
+    layout inference (module docstring)."""
     (num_blocks,), (x_blocks, rows, kx) = eid.shape, x.shape
     tm = tm or rows
     out_rows = out_rows or tm

@@ -536,12 +536,9 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
                       platforms=["cuda"])(_x(rng, (rows, 2688), jnp.bfloat16), w)
     for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(bf16_operands=False)),
                            (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False)), (3, None),
-                           (1, Tiling(mma_sync=False)), (3, Tiling(mma_sync=False)), (1, Tiling(store_real_rows=True)),
-                           (1, Tiling(store_real_rows=True, mma_sync=False))):
+                           (1, Tiling(mma_sync=False)), (3, Tiling(mma_sync=False)), (1, Tiling(store_real_rows=False)),
+                           (1, Tiling(store_real_rows=False, mma_sync=False))):
         experts(tokens, tiling)
-    for rows in (1, 13):  # the partial sums of the activations' rows only, through SMEM and a TMA copy
-        export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=Tiling(store_real_rows=True))),
-                      platforms=["cuda"])(_x(rng, (rows, 2688), jnp.bfloat16), w)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
     # 128-row blocks is the largest pipeline (FP8: 224 KiB of the 227 KiB of shared memory)
     monkeypatch.setattr(_blocked, "num_sms", lambda: 1)
@@ -598,27 +595,29 @@ def test_unpadded_rows_same_products(fmt):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
 def test_store_real_rows_same_products(fmt):
-    """Tiling.store_real_rows: a block's kernel stores only its activations' rows of the partial sums (1
-    and 13 rows: under and past one SMEM tile; float32 rows with exponents to undo; a split-K plan), and
-    a one-token MoE one hidden row a block; the outputs are the all-rows path's bit for bit, and the
-    kernel's product holds those rows only."""
+    """Tiling.store_real_rows (the default): a block's kernel stores only its activations' rows of the
+    partial sums (1 and 13 rows: under and past one SMEM tile; float32 rows with exponents to undo; a
+    split-K plan), and a one-token MoE one hidden row a block; the outputs are the all-rows path's bit for
+    bit, and the kernel's product holds those rows only."""
     rng = _rng(25)
     w = WEIGHTS[fmt](rng, (), 128, 320)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 320), WEIGHTS[fmt](rng, (4,), 320, 192)
     for rows, dtype in ((1, jnp.bfloat16), (13, jnp.bfloat16), (5, jnp.float32)):
         x = _x(rng, (rows, 320), dtype)
-        for tiling in (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)):
+        for tiling in (Tiling(store_real_rows=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, store_real_rows=False)):
             trimmed = dataclasses.replace(tiling, store_real_rows=True)
             _same_bits(linear(x, w, impl=IMPL, tiling=trimmed), linear(x, w, impl=IMPL, tiling=tiling),
                        f"{rows} rows of {dtype.__name__}, {tiling}")
-        xb = _blocked.row_blocks(x, _blocked.block_rows(rows))
-        held = _blocked.blocked_linear(xb, jnp.zeros((1,), jnp.int32), jax.tree.map(lambda a: a[None], w), IMPL,
-                                       Tiling(store_real_rows=True), _blocked.block_rows(rows))
-        assert held.shape == (1, xb.shape[1], 128), (held.shape, xb.shape)
+        tm = _blocked.block_rows(rows)
+        xb = _blocked.row_blocks(x, tm)
+        one_expert = jax.tree.map(lambda a: a[None], w)
+        held = lambda tiling: _blocked.blocked_linear(xb, jnp.zeros((1,), jnp.int32), one_expert, IMPL, tiling, tm).shape
+        assert held(Tiling()) == (1, xb.shape[1], 128) and held(Tiling(store_real_rows=False)) == (1, tm, 128), xb.shape
     x = _x(rng, (1, 320), jnp.bfloat16)
     idx, weight = _routes(rng, 1)
-    _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(store_real_rows=True)),
-               moe_experts(x, idx, weight, up, down, impl=IMPL), "one token's experts")
+    _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL),
+               moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(store_real_rows=False)),
+               "one token's experts")
 
 
 def test_unpadded_rows_drop_the_pad():
