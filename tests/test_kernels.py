@@ -596,13 +596,13 @@ def test_unpadded_rows_same_products(fmt):
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
 def test_store_real_rows_same_products(fmt):
     """Tiling.store_real_rows (the default): a block's kernel stores only its activations' rows of the
-    partial sums (1 and 13 rows: under and past one SMEM tile; float32 rows with exponents to undo; a
-    split-K plan), and a one-token MoE one hidden row a block; the outputs are the all-rows path's bit for
-    bit, and the kernel's product holds those rows only."""
+    partial sums (1 row; 20 rows, sent as 24 of a 32-row block: past one SMEM tile; float32 rows with
+    exponents to undo; a split-K plan), and a one-token MoE one hidden row a block; the outputs are the
+    all-rows path's bit for bit, and the kernel's product holds those rows only."""
     rng = _rng(25)
     w = WEIGHTS[fmt](rng, (), 128, 320)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 320), WEIGHTS[fmt](rng, (4,), 320, 192)
-    for rows, dtype in ((1, jnp.bfloat16), (13, jnp.bfloat16), (5, jnp.float32)):
+    for rows, dtype in ((1, jnp.bfloat16), (20, jnp.bfloat16), (5, jnp.float32)):
         x = _x(rng, (rows, 320), dtype)
         for tiling in (Tiling(store_real_rows=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, store_real_rows=False)):
             trimmed = dataclasses.replace(tiling, store_real_rows=True)
@@ -613,6 +613,7 @@ def test_store_real_rows_same_products(fmt):
         one_expert = jax.tree.map(lambda a: a[None], w)
         held = lambda tiling: _blocked.blocked_linear(xb, jnp.zeros((1,), jnp.int32), one_expert, IMPL, tiling, tm).shape
         assert held(Tiling()) == (1, xb.shape[1], 128) and held(Tiling(store_real_rows=False)) == (1, tm, 128), xb.shape
+        assert xb.shape[1] < tm, (rows, xb.shape, tm)
     x = _x(rng, (1, 320), jnp.bfloat16)
     idx, weight = _routes(rng, 1)
     _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL),
