@@ -40,7 +40,8 @@
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
-#   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: kernel-tests, then the GEMV fit of each
+#   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: the decode blocks' kernel tests (mma,
+#                                     # real rows), then the GEMV fit of each
 #                                     # quantised format under it, then `variants` with rounds 4 (default:
 #                                     # $CANDIDATE_TILINGS)
 #   bash benchmarks/h200.sh kernel-variants [TILINGS]  # the weight kernels under the default tiling and those
@@ -79,15 +80,17 @@ quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\
 leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
 # the kernel tests that a GPU runs differently from the interpreter (Mosaic, PTX, mma, TMA fills)
+# (a second argument: another -k selection)
 kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-                   -k "tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane or store_real_rows" \
+                   -k "${2:-tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane or store_real_rows}" \
                    2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="lane_lowering=false"  # the warpgroup-level lowering, the default before lane level (same
-                                  # products on the GPU; the gated decode A/B of the two is not yet run). The
-                                  # split-K plan under mma: 4 and 16 CTAs an SM made the GEMV alone slower than
-                                  # 8 (Nsight Compute, run 22), so not pending
+CANDIDATE_TILINGS="mma_scale_pairs=true"  # NVFP4 block scales loaded per lane for mma (untimed: `lever` runs
+                                  # its GPU tests, GEMV fit and gated A/B in one call). Also pending: `variants
+                                  # lane_lowering=false`, the warpgroup-level lowering (same products on the GPU;
+                                  # the gated decode A/B of the two not yet run). The split-K plan under mma: 4
+                                  # and 16 CTAs an SM made the GEMV alone slower than 8 (Nsight Compute, run 22)
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
@@ -161,7 +164,7 @@ case "${1:-}" in
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
                   --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
   sampler) leg 200 benchmarks/sampler.py --batches 1,8,32 ;;
-  lever) kernel_tests 150
+  lever) kernel_tests 120 "mma or store_real_rows"  # the decode blocks' paths (a whole call: ab.py takes ~380 s)
          leg 120 benchmarks/kernels.py --only scaling --formats nvfp4,fp8 --tilings "${2:-$CANDIDATE_TILINGS}" \
            | grep "scaling .*: kernel us"
          leg 400 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 4 --tilings "${2:-$CANDIDATE_TILINGS}" ;;

@@ -87,7 +87,15 @@ class Tiling:
     blocked_linear then returns those rows only; a one-token MoE's hidden activations are one row a block.
     Same products (GPU tests, every format). Measured (H100, NANO_NVFP4, gated, interleaved calls): batch 1
     2.623 -> 2.524 ms, batch 32 unchanged (x1.002, same tokens); the one-token experts' kernels 22.6 ->
-    21.6 µs (NVFP4) and 28.2 -> 26.6 µs (FP8)."""
+    21.6 µs (NVFP4) and 28.2 -> 26.6 µs (FP8).
+
+    mma_scale_pairs: under warp-level mma, NVFP4's block scales are loaded two rows (one 32-value chunk's two
+    blocks) at a time in NVFP4Weight.mma_scale_layout, each thread holding only the scale of the block its
+    weight codes belong to: half the scale loads and conversions to bfloat16 and no per-lane select, where
+    every thread converted both blocks' scales and picked one. On an H100 the NVFP4 weight kernels are
+    instruction-bound (schedulers issuing on ~70% of active cycles, ~6 instructions a weight value: run 22
+    in docs/BENCHMARKS.md); by a count from the code the change saves under one of them. Untimed: off until
+    a GPU shows the same products (a GPU-only test) and a gain."""
 
     tk: int | None = None
     stages: int = 4
@@ -103,6 +111,7 @@ class Tiling:
     mma_sync: bool = True
     lane_lowering: bool = True
     store_real_rows: bool = True
+    mma_scale_pairs: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -234,11 +243,12 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, 
     if fmt is not None:
         post = post / fmt.operand_unit(x.dtype)
     mma = tiling.mma_sync and impl == "pallas" and mma_fits(fmt, x.dtype, tm, tiles, tk)
+    scale_pairs = tiling.mma_scale_pairs and mma and hasattr(fmt, "mma_scale_layout")
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles, tm=tm, mma=mma,
-                      lane=tiling.lane_lowering, out_rows=rows if tiling.store_real_rows else tm,
+                      scale_pairs=scale_pairs, lane=tiling.lane_lowering, out_rows=rows if tiling.store_real_rows else tm,
                       interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.

@@ -132,10 +132,10 @@ def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
-                                             "mma", "lane", "out_rows", "interpret"))
+                                             "mma", "scale_pairs", "lane", "out_rows", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
-                ptx: bool = False, tiles: int = 1, tm: int | None = None, mma: bool = False, lane: bool = False,
-                out_rows: int | None = None, interpret=None):
+                ptx: bool = False, tiles: int = 1, tm: int | None = None, mma: bool = False, scale_pairs: bool = False,
+                lane: bool = False, out_rows: int | None = None, interpret=None):
     """Blocked product, float32 [splits, B, out_rows, N] (see module docstring); B = len(eid), and x
     [1, rows, K] is every block's rows (one token's experts all read the same row). tm: rows of a block
     (default: x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a
@@ -143,7 +143,9 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     rows: fewer than tm stores only those (a decode token's one row of partial sums, not tm), through an
     SMEM tile and a TMA copy of its first out_rows rows. tiles: 64-row weight tiles one CTA multiplies
     with each activation tile it streams (the activation traffic divided by tiles; a last CTA's tiles past
-    N read zeros and store nothing). mma: warp-level mma for 8-row blocks (module docstring). lane: Mosaic
+    N read zeros and store nothing). mma: warp-level mma for 8-row blocks (module docstring); scale_pairs:
+    under mma, the block scales loaded two rows at a time in the format's mma_scale_layout, each thread
+    holding only the block its lanes' weight codes belong to (else every row whole, in ROW_LAYOUT). lane: Mosaic
     GPU lowers the kernel at lane level (LoweringSemantics.Lane) instead of warpgroup level, skipping its
     layout inference (module docstring)."""
     (num_blocks,), (x_blocks, rows, kx) = eid.shape, x.shape
@@ -170,6 +172,9 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     mma_dtype = x.dtype
     if fmt is not None and mma_dtype not in (jnp.float16, jnp.bfloat16):
         raise ValueError(f"quantised weights decode to float16 or bfloat16 (x's dtype), got x in {mma_dtype}")
+    if scale_pairs and not (mma and n_scale and hasattr(fmt, "mma_scale_layout")):
+        raise ValueError(f"scale_pairs: block scales loaded for warp-level mma by the format's mma_scale_layout; "
+                         f"got {fmt}, mma={mma}")
     if mma and (interpret is not None or not mma_fits(fmt, mma_dtype, tm, tiles, tk)):
         raise ValueError(f"warp-level mma takes what mma_fits accepts, on the GPU: got {fmt}, {mma_dtype}, tm={tm}, "
                          f"tiles={tiles}, tk={tk}, interpret={interpret is not None}")
@@ -208,8 +213,12 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                 def mma_step(_, x_smem, w_smem, *s_smem_acc):
                     *s_smem, acc = s_smem_acc
                     codes = plgpu.load(w_smem, layout=plgpu.Layout.MMA_LHS(jnp.uint8))
-                    rows = [plgpu.load(s_smem[0].at[c], layout=ROW_LAYOUT, optimized=False) for c in range(n_scale)]
-                    return plgpu.mma(acc, fmt.decode_mma_tile(codes, rows), fmt.load_mma_x(x_smem.T))
+                    if scale_pairs:  # each thread only its lanes' block of each two (the format's layout)
+                        scales = [plgpu.load(s_smem[0].at[pl.ds(2 * c, 2)], layout=fmt.mma_scale_layout(),
+                                             optimized=False) for c in range(n_scale // 2)]
+                    else:
+                        scales = [plgpu.load(s_smem[0].at[c], layout=ROW_LAYOUT, optimized=False) for c in range(n_scale)]
+                    return plgpu.mma(acc, fmt.decode_mma_tile(codes, scales), fmt.load_mma_x(x_smem.T))
 
                 zero = plgpu.layout_cast(jnp.zeros((TN, tm), jnp.float32), plgpu.Layout.MMA_ACC(mma_dtype))
                 acc = relabel_registers(pipeline(mma_step, init_carry=zero), plgpu.Layout.MMA_ACC(mma_dtype),

@@ -193,12 +193,13 @@ def _load_mma_rhs(x_t, layout) -> jax.Array:
 
 def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
     """codes [64, 16c] uint8 in MMA_LHS(uint8) layout (m16n8k32's 8-bit A operand: a thread holds four
-    adjacent bytes of a row, all of one 8-byte NVFP4 block), scales: 2c bfloat16 block-scale rows [64]
-    (_wgemm.ROW_LAYOUT, one per block) -> the [64, 32c] bfloat16 A operand of warp-level mma (m16n8k16,
-    MMA_LHS layout), its K order NVFP4Weight.mma_k_order's: each register's word decodes (DECODE_PTX)
-    into the four value pairs a thread holds of two 16-column operand tiles, so no value moves between
-    threads. Lanes 0-1 of a row's four read the chunk's first block, lanes 2-3 its second: the scale is
-    picked per lane. GPU only."""
+    adjacent bytes of a row, all of one 8-byte NVFP4 block), scales: bfloat16 block scales, either 2c rows
+    [64] (_wgemm.ROW_LAYOUT, one per block) or c pairs [2, 64] (NVFP4Weight.mma_scale_layout, one per
+    16-byte chunk) -> the [64, 32c] bfloat16 A operand of warp-level mma (m16n8k16, MMA_LHS layout), its
+    K order NVFP4Weight.mma_k_order's: each register's word decodes (DECODE_PTX) into the four value pairs
+    a thread holds of two 16-column operand tiles, so no value moves between threads. Lanes 0-1 of a
+    row's four read the chunk's first block, lanes 2-3 its second: from rows the scale is picked per lane,
+    a pair holds each lane's own. GPU only."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.extend.mlir import ir
     from jaxlib.mlir.dialects import arith
@@ -209,7 +210,10 @@ def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
     out_ty = plgpu.ShapeDtypeStruct((codes.shape[0], 2 * codes.shape[1]), jnp.bfloat16,
                                     layout=plgpu.Layout.MMA_LHS(jnp.bfloat16))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.MMA_LHS(jnp.uint8), *[ROW_LAYOUT] * len(scales)), return_type=out_ty)
+    paired = scales[0].ndim == 2
+    scale_layout = NVFP4Weight.mma_scale_layout() if paired else ROW_LAYOUT
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.MMA_LHS(jnp.uint8), *[scale_layout] * len(scales)), return_type=out_ty)
     def decode(_, c, *rows):
         i32 = ir.IntegerType.get_signless(32)
         lane = arith.remui(mgpu.utils.thread_idx(), mgpu.utils.c(32, i32))
@@ -218,8 +222,11 @@ def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
         out = np.empty(layout.registers_shape(out_ty.shape), dtype=object)
         for (_, tile, _, half, rh, *_), word in np.ndenumerate(c.registers):
             chunk = 2 * tile + half
-            first_s, second_s = rows[2 * chunk].registers.flat[rh], rows[2 * chunk + 1].registers.flat[rh]
-            scale = arith.select(second, second_s, first_s)
+            if paired:  # registers (..., rh, ...): this lane's block of the chunk, rows 8 rh + lane // 4
+                scale = rows[chunk].registers.flat[rh]
+            else:
+                first_s, second_s = rows[2 * chunk].registers.flat[rh], rows[2 * chunk + 1].registers.flat[rh]
+                scale = arith.select(second, second_s, first_s)
             scale = mgpu.utils.vector_concat([scale, scale])
             decoded = decode_word(mgpu.utils.bitcast(word, i32))
             for nibble, k in enumerate(("lo", "hi")):
@@ -486,10 +493,21 @@ class NVFP4Weight:
 
     @staticmethod
     def decode_mma_tile(codes: jax.Array, scale_rows: list[jax.Array]) -> jax.Array:
-        """codes [64, 8g] uint8 in MMA_LHS(uint8) layout (g even), scale_rows: g e4m3 block scales [64] ->
-        the [64, 16g] bfloat16 A operand of warp-level mma, K in mma_k_order, values as decode_tile's
-        bfloat16 operand (times operand_unit(bfloat16)). GPU only (PTX)."""
+        """codes [64, 8g] uint8 in MMA_LHS(uint8) layout (g even), scale_rows: g e4m3 block scales [64], or
+        g/2 pairs of them [2, 64] in mma_scale_layout -> the [64, 16g] bfloat16 A operand of warp-level
+        mma, K in mma_k_order, values as decode_tile's bfloat16 operand (times operand_unit(bfloat16)).
+        GPU only (PTX)."""
         return _ptx_decode_mma(codes, [NVFP4Weight._bf16_ptx_scale(r) for r in scale_rows])
+
+    @staticmethod
+    def mma_scale_layout():
+        """Register layout of a [2, 64] pair of block-scale rows, the two blocks of one 16-byte chunk of
+        decode_mma_tile's codes: each thread holds, for its two rows of the warp's 16 (16 warp + 8 rh +
+        lane // 4; register rh), the scale of the block its code words come from (lanes 0-1 of a row's
+        four: the first, 2-3: the second; lane = 4 (lane // 4) + 2 block + copy), one value a register."""
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        return plgpu.Layout.TILED(plgpu.Tiling(((2, 64), (2, 16), (2, 8), (1,))), warp_dims=(-6,),
+                                  lane_dims=(-2, -3, plgpu.Replicated(2)), vector_dim=-1)
 
     @staticmethod
     def mma_x_layout():

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import FP8Weight, NVFP4Weight, dequantize, linear, moe_experts
-from pallas_kernels.formats import (DECODE_PTX, E2M1_UNIT, E2M1_VALUES, e2m1_pair_to_f16, mma_operand_register,
+from pallas_kernels.formats import (DECODE_PTX, E2M1_UNIT, E2M1_VALUES, NVFP4_BLOCK, e2m1_pair_to_f16, mma_operand_register,
                                     mma_rhs_register)
 from pallas_kernels._backend import num_sms
 from pallas_kernels import _blocked, _wgemm
@@ -203,7 +203,7 @@ def test_fp8_mma_operand_is_the_weight_in_mma_k_order():
 def _tiled_owner(layout, shape):
     """Model of a Mosaic GPU TiledLayout: element index of `shape` -> (warp, lane, register index, position
     in the register's vector), from the layout's tiling, warp and lane dims (the first the most
-    significant; replicated warps hold copies: warp 0 here) and vector dim."""
+    significant; replicated warps and lanes hold copies: copy 0 here) and vector dim."""
     tiled = layout.tiling.tile_shape(shape)
     regs = layout.registers_shape(shape)
     warp_dims = [d for d in layout.warp_dims if isinstance(d, int)]
@@ -216,8 +216,8 @@ def _tiled_owner(layout, shape):
         warp = lane = 0
         for d in warp_dims:
             warp = warp * tiled[d] + index[d]
-        for d in layout.lane_dims:
-            lane = lane * tiled[d] + index[d]
+        for d in layout.lane_dims:  # a replicated lane dim: copies in lanes apart by its stride (copy 0 here)
+            lane = lane * tiled[d] + index[d] if isinstance(d, int) else lane * d.times
         own = (*warp_dims, *layout.lane_dims, layout.vector_dim)
         reg = tuple(0 if (d - len(tiled)) in own else i for d, i in enumerate(index))
         assert all(r < n for r, n in zip(reg, regs)), (reg, regs)
@@ -249,6 +249,22 @@ def test_mma_x_loads_are_x_in_mma_k_order():
             f, _, h, *_ = mma_rhs_register(int(np.ravel_multi_index(reg, regs)), e4 // 2)
             operand[16 * f + 8 * h + 2 * (lane % 4) + e4 % 2, lane // 4] = x[k, n]
         np.testing.assert_array_equal(operand, np.asarray(fmt.mma_k_order(jnp.asarray(x.T))).T, err_msg=fmt.__name__)
+
+
+def test_mma_scale_pairs_hold_each_lanes_block():
+    """NVFP4Weight.mma_scale_layout (Tiling.mma_scale_pairs), modelled thread by thread: of a chunk's two
+    block-scale rows [2, 64], lane l of warp w holds in register rh the scale of row 16 w + 8 rh + l // 4
+    (its rows of the mma A operand) for block (l % 4) // 2, the block of the code bytes 4 (l % 4) .. + 3 of
+    the 16-byte chunk it decodes (m16n8k32's 8-bit A fragment), which _ptx_decode_mma reads as
+    registers.flat[rh]; the other lane of each pair holds a copy."""
+    layout = NVFP4Weight.mma_scale_layout().to_mgpu()
+    owner, regs = _tiled_owner(layout, (2, 64)), layout.registers_shape((2, 64))
+    assert regs == (1, 1, 1, 1, 1, 2, 1, 1, 1) and layout.vector_length == 1
+    for block, row in np.ndindex(2, 64):
+        warp, lane, reg, e = owner((block, row))
+        rh = int(np.ravel_multi_index(reg, regs))
+        assert (warp, 8 * rh + lane // 4, e) == (row // 16, row % 16, 0), (block, row)
+        assert lane % 2 == 0 and (4 * (lane % 4)) // (NVFP4_BLOCK // 2) == block, (block, row, lane)
 
 
 def test_mma_accumulator_stores_as_it_is():
@@ -304,6 +320,26 @@ def test_mma_sync_products(fmt):
         for mma in (True, False):
             _check(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(mma_sync=mma)), _f64(want),
                    TOL_XLA, f"{tokens} tokens, mma_sync={mma}")
+
+
+@pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its PTX decode run on the GPU only")
+def test_mma_scale_pairs_same_products():
+    """Tiling.mma_scale_pairs on the GPU: NVFP4 block scales loaded a chunk's pair at a time, each lane its
+    own block's, give the products of every row loaded whole and picked per lane, bit for bit: 1, 5 and 8
+    rows, a split-K plan, one and three tokens' experts."""
+    rng = _rng(29)
+    w = WEIGHTS["nvfp4"](rng, (), 192, 640)
+    up, down = WEIGHTS["nvfp4"](rng, (4,), 192, 640), WEIGHTS["nvfp4"](rng, (4,), 640, 192)
+    for rows in (1, 5, 8):
+        x = _x(rng, (rows, 640), jnp.bfloat16)
+        for tiling in (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)):
+            paired = dataclasses.replace(tiling, mma_scale_pairs=True)
+            _same_bits(linear(x, w, impl=IMPL, tiling=paired), linear(x, w, impl=IMPL, tiling=tiling), f"{rows} rows, {tiling}")
+    for tokens in (1, 3):
+        x = _x(rng, (tokens, 640), jnp.bfloat16)
+        idx, weight = _routes(rng, tokens)
+        _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(mma_scale_pairs=True)),
+                   moe_experts(x, idx, weight, up, down, impl=IMPL), f"{tokens} tokens")
 
 
 def test_row_scaling_is_frexp_and_ldexp():
@@ -537,7 +573,8 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
     for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(bf16_operands=False)),
                            (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False)), (3, None),
                            (1, Tiling(mma_sync=False)), (3, Tiling(mma_sync=False)), (1, Tiling(store_real_rows=False)),
-                           (1, Tiling(store_real_rows=False, mma_sync=False))):
+                           (1, Tiling(store_real_rows=False, mma_sync=False)), (1, Tiling(mma_scale_pairs=True)),
+                           (3, Tiling(mma_scale_pairs=True))):
         experts(tokens, tiling)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
     # 128-row blocks is the largest pipeline (FP8: 224 KiB of the 227 KiB of shared memory)
