@@ -216,8 +216,9 @@ def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.MMA_LHS(jnp.uint8), *[scale_layout] * len(scales)), return_type=out_ty)
     def decode(_, c, *rows):
         i32 = ir.IntegerType.get_signless(32)
-        lane = arith.remui(mgpu.utils.thread_idx(), mgpu.utils.c(32, i32))
-        second = arith.cmpi(arith.CmpIPredicate.uge, arith.remui(lane, mgpu.utils.c(4, i32)), mgpu.utils.c(2, i32))
+        if not paired:  # lanes 2-3 of a row's four take the chunk's second block
+            lane = arith.remui(mgpu.utils.thread_idx(), mgpu.utils.c(32, i32))
+            second = arith.cmpi(arith.CmpIPredicate.uge, arith.remui(lane, mgpu.utils.c(4, i32)), mgpu.utils.c(2, i32))
         layout = mgpu.MMALayouts(jnp.bfloat16, m_warps=4).lhs
         out = np.empty(layout.registers_shape(out_ty.shape), dtype=object)
         for (_, tile, _, half, rh, *_), word in np.ndenumerate(c.registers):
