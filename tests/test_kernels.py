@@ -200,6 +200,23 @@ def test_fp8_mma_operand_is_the_weight_in_mma_k_order():
     np.testing.assert_array_equal(operand, np.asarray(FP8Weight.mma_k_order(jnp.asarray(codes))))
 
 
+def _same_products_under(variant, rng, w, up, down, rows, tilings, tokens):
+    """A tiling option changes no output bit: linear of x ([n, K] of each (n, dtype) in rows) under
+    variant(tiling) against tiling, for each of tilings, then moe_experts of each token count in tokens
+    under variant(tilings[0]) against tilings[0]."""
+    k = w.shape[-1]
+    for n, dtype in rows:
+        x = _x(rng, (n, k), dtype)
+        for tiling in tilings:
+            _same_bits(linear(x, w, impl=IMPL, tiling=variant(tiling)), linear(x, w, impl=IMPL, tiling=tiling),
+                       f"{n} rows of {dtype.__name__}, {tiling}")
+    for count in tokens:
+        x = _x(rng, (count, k), jnp.bfloat16)
+        idx, weight = _routes(rng, count)
+        _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=variant(tilings[0])),
+                   moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=tilings[0]), f"{count} tokens")
+
+
 def _tiled_owner(layout, shape):
     """Model of a Mosaic GPU TiledLayout: element index of `shape` -> (warp, lane, register index, position
     in the register's vector), from the layout's tiling, warp and lane dims (the first the most
@@ -330,16 +347,9 @@ def test_mma_scale_pairs_same_products():
     rng = _rng(29)
     w = WEIGHTS["nvfp4"](rng, (), 192, 640)
     up, down = WEIGHTS["nvfp4"](rng, (4,), 192, 640), WEIGHTS["nvfp4"](rng, (4,), 640, 192)
-    for rows in (1, 5, 8):
-        x = _x(rng, (rows, 640), jnp.bfloat16)
-        for tiling in (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)):
-            paired = dataclasses.replace(tiling, mma_scale_pairs=True)
-            _same_bits(linear(x, w, impl=IMPL, tiling=paired), linear(x, w, impl=IMPL, tiling=tiling), f"{rows} rows, {tiling}")
-    for tokens in (1, 3):
-        x = _x(rng, (tokens, 640), jnp.bfloat16)
-        idx, weight = _routes(rng, tokens)
-        _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(mma_scale_pairs=True)),
-                   moe_experts(x, idx, weight, up, down, impl=IMPL), f"{tokens} tokens")
+    _same_products_under(lambda tiling: dataclasses.replace(tiling, mma_scale_pairs=True), rng, w, up, down,
+                         [(n, jnp.bfloat16) for n in (1, 5, 8)], (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)),
+                         (1, 3))
 
 
 def test_row_scaling_is_frexp_and_ldexp():
@@ -615,19 +625,12 @@ def test_unpadded_rows_same_products(fmt):
     rng = _rng(23)
     w = WEIGHTS[fmt](rng, (), 128, 320)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 320), WEIGHTS[fmt](rng, (4,), 320, 192)
-    for rows, dtype in ((1, jnp.bfloat16), (5, jnp.bfloat16), (8, jnp.bfloat16), (13, jnp.bfloat16), (40, jnp.bfloat16),
-                        (5, jnp.float32)):
-        x = _x(rng, (rows, 320), dtype)  # float32: rescaled float16 rows, each with its exponent to undo
-        for tiling in (Tiling(unpadded_rows=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, unpadded_rows=False)):
-            padded = linear(x, w, impl=IMPL, tiling=tiling)
-            got = linear(x, w, impl=IMPL, tiling=dataclasses.replace(tiling, unpadded_rows=True))
-            _same_bits(got, padded, f"{rows} rows of {dtype.__name__}, {tiling}")
-    for tokens in (1, 3):
-        x = _x(rng, (tokens, 320), jnp.bfloat16)
-        idx, weight = _routes(rng, tokens)
-        padded = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(unpadded_rows=False))
-        got = moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(unpadded_rows=True))
-        _same_bits(got, padded, f"{tokens} tokens")
+    # float32 rows: rescaled float16 rows, each with its exponent to undo
+    _same_products_under(lambda tiling: dataclasses.replace(tiling, unpadded_rows=True), rng, w, up, down,
+                         [(1, jnp.bfloat16), (5, jnp.bfloat16), (8, jnp.bfloat16), (13, jnp.bfloat16),
+                          (40, jnp.bfloat16), (5, jnp.float32)],
+                         (Tiling(unpadded_rows=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, unpadded_rows=False)),
+                         (1, 3))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
@@ -639,23 +642,17 @@ def test_store_real_rows_same_products(fmt):
     rng = _rng(25)
     w = WEIGHTS[fmt](rng, (), 128, 320)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 320), WEIGHTS[fmt](rng, (4,), 320, 192)
-    for rows, dtype in ((1, jnp.bfloat16), (20, jnp.bfloat16), (5, jnp.float32)):
-        x = _x(rng, (rows, 320), dtype)
-        for tiling in (Tiling(store_real_rows=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, store_real_rows=False)):
-            trimmed = dataclasses.replace(tiling, store_real_rows=True)
-            _same_bits(linear(x, w, impl=IMPL, tiling=trimmed), linear(x, w, impl=IMPL, tiling=tiling),
-                       f"{rows} rows of {dtype.__name__}, {tiling}")
-        tm = _blocked.block_rows(rows)
-        xb = _blocked.row_blocks(x, tm)
-        one_expert = jax.tree.map(lambda a: a[None], w)
+    rows = [(1, jnp.bfloat16), (20, jnp.bfloat16), (5, jnp.float32)]
+    _same_products_under(lambda tiling: dataclasses.replace(tiling, store_real_rows=True), rng, w, up, down, rows,
+                         (Tiling(store_real_rows=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, store_real_rows=False)),
+                         (1,))
+    one_expert = jax.tree.map(lambda a: a[None], w)
+    for n, dtype in rows:
+        tm = _blocked.block_rows(n)
+        xb = _blocked.row_blocks(jnp.zeros((n, 320), dtype), tm)
         held = lambda tiling: _blocked.blocked_linear(xb, jnp.zeros((1,), jnp.int32), one_expert, IMPL, tiling, tm).shape
         assert held(Tiling()) == (1, xb.shape[1], 128) and held(Tiling(store_real_rows=False)) == (1, tm, 128), xb.shape
-        assert xb.shape[1] < tm, (rows, xb.shape, tm)
-    x = _x(rng, (1, 320), jnp.bfloat16)
-    idx, weight = _routes(rng, 1)
-    _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL),
-               moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling(store_real_rows=False)),
-               "one token's experts")
+        assert xb.shape[1] < tm, (n, xb.shape, tm)
 
 
 def test_unpadded_rows_drop_the_pad():
@@ -679,16 +676,9 @@ def test_lane_lowering_same_products(fmt, monkeypatch):
     w = WEIGHTS[fmt](rng, (), 192, 640)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 640), WEIGHTS[fmt](rng, (4,), 640, 192)
     warpgroup = lambda tiling: dataclasses.replace(tiling, lane_lowering=False)
-    for rows, dtype in ((1, jnp.bfloat16), (5, jnp.bfloat16), (5, jnp.float32), (40, jnp.bfloat16)):
-        x = _x(rng, (rows, 640), dtype)
-        for tiling in (Tiling(), Tiling(mma_sync=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)):
-            _same_bits(linear(x, w, impl=IMPL, tiling=tiling), linear(x, w, impl=IMPL, tiling=warpgroup(tiling)),
-                       f"{rows} rows of {dtype.__name__}, {tiling}")
-    for tokens in (1, 3, 100):
-        x = _x(rng, (tokens, 640), jnp.bfloat16)
-        idx, weight = _routes(rng, tokens)
-        _same_bits(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=Tiling()),
-                   moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=warpgroup(Tiling())), f"{tokens} tokens")
+    _same_products_under(warpgroup, rng, w, up, down,
+                         [(1, jnp.bfloat16), (5, jnp.bfloat16), (5, jnp.float32), (40, jnp.bfloat16)],
+                         (Tiling(), Tiling(mma_sync=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)), (1, 3, 100))
     monkeypatch.setattr(_blocked, "num_sms", lambda: 1)  # a grid that fills the GPU: three tiles a CTA
     x = _x(rng, (256, 640), jnp.bfloat16)
     _same_bits(linear(x, w, impl=IMPL, tiling=Tiling()), linear(x, w, impl=IMPL, tiling=warpgroup(Tiling())), "256 rows")
