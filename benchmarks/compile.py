@@ -188,10 +188,11 @@ def main() -> int:
         from pallas_kernels import _blocked
 
         (_blocked.DEFAULT_TILING,) = parse_tilings(args.tiling)
+    tiling_label = f", tiling {args.tiling}" if args.tiling else ""
     if args.lower_only:
         for r in lowering(args.layout, [int(b) for b in args.lower_only.split(",")], args.prompt, args.pattern,
                           args.dims):
-            print(f"{args.layout} batch {r['batch']}{', tiling ' + args.tiling if args.tiling else ''}: decode trace "
+            print(f"{args.layout} batch {r['batch']}{tiling_label}: decode trace "
                   f"{r['trace_s']:.2f} s, lower for the GPU "
                   f"{r['lower_s']:.2f} s, {r['mosaic_kernels']} Mosaic kernels in the module", flush=True)
         return 0
@@ -216,7 +217,7 @@ def main() -> int:
         with (out / "compile.jsonl").open("a") as f:
             f.write(json.dumps(r) + "\n")
         p, d = r["prefill"], r["decode"]
-        print(f"{name} ({flags or 'no flags'}{', tiling ' + args.tiling if args.tiling else ''}), batch {args.batch}: "
+        print(f"{name} ({flags or 'no flags'}{tiling_label}), batch {args.batch}: "
               f"prefill lower {p['lower_s']:.1f} s "
               f"compile {p['compile_s']:.1f} s (Mosaic calls {p['mosaic_calls']}); decode lower {d['lower_s']:.1f} s "
               f"compile {d['compile_s']:.1f} s (Mosaic calls {d['mosaic_calls']}); "
