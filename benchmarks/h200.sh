@@ -40,10 +40,9 @@
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
-#   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: the decode blocks' kernel tests (mma,
+#   bash benchmarks/h200.sh lever TILING  # a candidate in one call: the decode blocks' kernel tests (mma,
 #                                     # real rows), then the GEMV fit of each
-#                                     # quantised format under it, then `variants` with rounds 4 (default:
-#                                     # $CANDIDATE_TILINGS)
+#                                     # quantised format under it, then `variants` with rounds 4
 #   bash benchmarks/h200.sh kernel-variants [TILINGS]  # the weight kernels under the default tiling and those
 #                                     # (kernels.py)
 #   bash benchmarks/h200.sh prefill-experts [TILINGS]  # bf16 MoE experts of a 2,048-token chunk alone, default
@@ -86,11 +85,9 @@ kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x
                    2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="mma_scale_pairs=true"  # NVFP4 block scales loaded per lane for mma (untimed: `lever` runs
-                                  # its GPU tests, GEMV fit and gated A/B in one call). Also pending: `variants
-                                  # lane_lowering=false`, the warpgroup-level lowering (same products on the GPU;
-                                  # the gated decode A/B of the two not yet run). The split-K plan under mma: 4
-                                  # and 16 CTAs an SM made the GEMV alone slower than 8 (Nsight Compute, run 22)
+CANDIDATE_TILINGS=""  # none pending: name the tilings. Measured and not adopted: the warpgroup-level lowering
+                      # (`lane_lowering=false`: the GEMV's SASS loop is the same, decode x0.989 and x1.016 in
+                      # two A/Bs, run 23); 4 or 16 decode CTAs an SM (the GEMV slower than at 8, run 22)
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not

@@ -341,14 +341,15 @@ def test_mma_sync_products(fmt):
 
 @pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its PTX decode run on the GPU only")
 def test_mma_scale_pairs_same_products():
-    """Tiling.mma_scale_pairs on the GPU: NVFP4 block scales loaded a chunk's pair at a time, each lane its
-    own block's, give the products of every row loaded whole and picked per lane, bit for bit: 1, 5 and 8
-    rows, a split-K plan, one and three tokens' experts."""
+    """Tiling.mma_scale_pairs (the default) on the GPU: NVFP4 block scales loaded a chunk's pair at a time,
+    each lane its own block's, give the products of every row loaded whole and picked per lane, bit for
+    bit: 1, 5 and 8 rows, a split-K plan, one and three tokens' experts."""
     rng = _rng(29)
     w = WEIGHTS["nvfp4"](rng, (), 192, 640)
     up, down = WEIGHTS["nvfp4"](rng, (4,), 192, 640), WEIGHTS["nvfp4"](rng, (4,), 640, 192)
     _same_products_under(lambda tiling: dataclasses.replace(tiling, mma_scale_pairs=True), rng, w, up, down,
-                         [(n, jnp.bfloat16) for n in (1, 5, 8)], (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)),
+                         [(n, jnp.bfloat16) for n in (1, 5, 8)],
+                         (Tiling(mma_scale_pairs=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, mma_scale_pairs=False)),
                          (1, 3))
 
 
@@ -583,8 +584,8 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
     for tokens, tiling in ((1, None), (100, None), (1, Tiling(tk=128)), (1, Tiling(bf16_operands=False)),
                            (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False)), (3, None),
                            (1, Tiling(mma_sync=False)), (3, Tiling(mma_sync=False)), (1, Tiling(store_real_rows=False)),
-                           (1, Tiling(store_real_rows=False, mma_sync=False)), (1, Tiling(mma_scale_pairs=True)),
-                           (3, Tiling(mma_scale_pairs=True))):
+                           (1, Tiling(store_real_rows=False, mma_sync=False)), (1, Tiling(mma_scale_pairs=False)),
+                           (3, Tiling(mma_scale_pairs=False))):
         experts(tokens, tiling)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
     # 128-row blocks is the largest pipeline (FP8: 224 KiB of the 227 KiB of shared memory)
