@@ -73,18 +73,20 @@ def _f16_decode_ptx() -> dict[str, list[str]]:
 def _bf16_decode_ptx() -> dict[str, list[str]]:
     """PTX of the bfloat16 decode, per nibble: each code's sign, exponent and mantissa bits placed straight
     into a bfloat16, the value e2m1 * 2**-126 (e2m1 zero and 0.5 land on bfloat16 zero and its subnormal
-    2**-127). Bytes 0, 1 of $1 spread to bytes 0, 2 of a word with one prmt (bytes 2, 3 likewise), then
-    two shifts and masks a bf16x2 pair, into %nv_r0 and %nv_r1."""
+    2**-127). Bytes 0, 1 of $1 spread to bytes 0, 2 of a word with one prmt (bytes 2, 3 likewise); then
+    per bf16x2 pair the nibbles are masked out, one multiply places two copies of each (the magnitude bits
+    0-2 at bits 6-8, the sign bit 3 at bit 15, of each half; the copies never overlap, so nothing carries)
+    and a mask keeps those bits: three instructions a pair (one integer multiply-add), into %nv_r0 and
+    %nv_r1."""
     spread = ["mov.b32 %nv_b, 0;", "prmt.b32 %nv_u, $1, %nv_b, 0x4140;", "prmt.b32 %nv_w, $1, %nv_b, 0x4342;"]
-    # magnitude bits (code bits 0-2 or 4-6) to bits 6-8 of each half, the sign (bit 3 or 7) to bit 15
-    shifts = {"lo": (6, 12), "hi": (2, 8)}
+    # code bits 0-3 (lo) copied up by 6 and 12, bits 4-7 (hi) by 2 and 8: magnitude to 6-8, sign to 15
+    placements = {"lo": ("0x000F000F", (1 << 6) + (1 << 12)), "hi": ("0x00F000F0", (1 << 2) + (1 << 8))}
     programs = {}
-    for k, (mag, sign) in shifts.items():
+    for k, (nibbles, copies) in placements.items():
         body = list(spread)
         for src, dst in (("%nv_u", "%nv_r0"), ("%nv_w", "%nv_r1")):
-            body += [f"shl.b32 %nv_a, {src}, {mag};", "and.b32 %nv_a, %nv_a, 0x01C001C0;",
-                     f"shl.b32 %nv_b, {src}, {sign};", "and.b32 %nv_b, %nv_b, 0x80008000;",
-                     f"or.b32 {dst}, %nv_a, %nv_b;"]
+            body += [f"and.b32 %nv_a, {src}, {nibbles};", f"mul.lo.u32 %nv_a, %nv_a, {copies:#x};",
+                     f"and.b32 {dst}, %nv_a, 0x81C081C0;"]
         programs[k] = body
     return programs
 

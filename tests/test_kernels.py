@@ -108,7 +108,7 @@ def test_decode_helpers_exact():
 
 def _run_ptx(lines: list[str], word: int) -> tuple[int, int]:
     """The decode programs' PTX executed on the CPU, instruction by instruction (the few they use: b32 mov,
-    shl, shr, and, or, prmt; the b16 split; cvt.rn.f16x2.e4m3x2), $1 = word: (%nv_r0, %nv_r1)."""
+    shl, shr, and, or, prmt, mul.lo.u32; the b16 split; cvt.rn.f16x2.e4m3x2), $1 = word: (%nv_r0, %nv_r1)."""
     reg = {"$1": word}
     value = lambda t: reg[t] if t in reg else int(t, 0)
     for line in lines:
@@ -130,7 +130,7 @@ def _run_ptx(lines: list[str], word: int) -> tuple[int, int]:
             out = int(halves[0]) | int(halves[1]) << 16
         else:
             out = {"mov.b32": lambda: v[0], "shl.b32": lambda: v[0] << v[1], "shr.b32": lambda: v[0] >> v[1],
-                   "and.b32": lambda: v[0] & v[1], "or.b32": lambda: v[0] | v[1]}[op]()
+                   "and.b32": lambda: v[0] & v[1], "or.b32": lambda: v[0] | v[1], "mul.lo.u32": lambda: v[0] * v[1]}[op]()
         reg[dst] = out & 0xFFFFFFFF
     return reg["%nv_r0"], reg["%nv_r1"]
 
