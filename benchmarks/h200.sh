@@ -29,9 +29,9 @@
 #   bash benchmarks/h200.sh compare-prefill  # the same for prefill 1x2048 and 8x512, profiled, ungated
 #   bash benchmarks/h200.sh ssd       # the chunked SSD scan alone, 1x2048 and 8x512: this tree's and (when
 #                                     # present) _old's in one process, each against the recurrence
-#   bash benchmarks/h200.sh variants [TILINGS]  # NANO_NVFP4 decode batches 1,32: the default tiling against
-#                                     # others (default: $CANDIDATE_TILINGS) in one process, calls interleaved,
-#                                     # every variant gated (benchmarks/ab.py)
+#   bash benchmarks/h200.sh variants [TILINGS] [LAYOUT]  # decode batches 1,32 (default NANO_NVFP4): the
+#                                     # default tiling against others (default: $CANDIDATE_TILINGS) in one
+#                                     # process, calls interleaved, every variant gated (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS] [LAYOUT]  # the same for prefill 1x2048 and 8x512
 #                                     # (default: two weight tiles a CTA, 128-row MoE expert blocks; NANO_NVFP4)
 #   bash benchmarks/h200.sh xla-variants [SETS] [SAMPLING]  # NANO_NVFP4 decode batches 1,32: XLA options compiled
@@ -153,7 +153,7 @@ case "${1:-}" in
   ssd) leg 200 benchmarks/ssd.py $([ -d _old/nemoh ] && echo --against _old) ;;
   variants) # kernel tilings against the default in one process, timed calls interleaved (benchmarks/ab.py), each
              # variant gated; the tilings after the part's name (default: $CANDIDATE_TILINGS)
-    leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
+    leg 560 benchmarks/ab.py --layout "${3:-NANO_NVFP4}" --batches 1,32 --rounds 6 \
       --tilings "${2:-$CANDIDATE_TILINGS}" ;;
   prefill-variants) # the same for prefill: one prompt of 2,048 tokens and 8 of 512
     leg 560 benchmarks/ab.py --layout "${3:-NANO_NVFP4}" --batches "" --prefill-shapes 1x2048,8x512 \
