@@ -17,7 +17,7 @@
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
 #                                     # bf16 operands, several weight tiles a CTA, rows read without a padded copy,
 #                                     # NVFP4 and FP8 through warp-level mma, lane-level lowering, partial sums of
-#                                     # the real rows only)
+#                                     # the real rows only, plain activation loads)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile [TILING]  # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as
@@ -40,9 +40,10 @@
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
-#   bash benchmarks/h200.sh lever TILING  # a candidate in one call: the decode blocks' kernel tests (mma,
-#                                     # real rows), then the GEMV fit of each
-#                                     # quantised format under it, then `variants` with rounds 4
+#   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: the decode blocks' kernel tests (mma,
+#                                     # real rows, plain x loads), then the GEMV fit of each
+#                                     # quantised format under it, then `variants` with rounds 4 (default:
+#                                     # $CANDIDATE_TILINGS)
 #   bash benchmarks/h200.sh kernel-variants [TILINGS]  # the weight kernels under the default tiling and those
 #                                     # (kernels.py)
 #   bash benchmarks/h200.sh prefill-experts [TILINGS]  # bf16 MoE experts of a 2,048-token chunk alone, default
@@ -81,13 +82,16 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
 # the kernel tests that a GPU runs differently from the interpreter (Mosaic, PTX, mma, TMA fills)
 # (a second argument: another -k selection)
 kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-                   -k "${2:-tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane or store_real_rows}" \
+                   -k "${2:-tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane or store_real_rows or plain_x}" \
                    2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS=""  # none pending: name the tilings. Measured and not adopted: the warpgroup-level lowering
-                      # (`lane_lowering=false`: the GEMV's SASS loop is the same, decode x0.989 and x1.016 in
-                      # two A/Bs, run 23); 4 or 16 decode CTAs an SM (the GEMV slower than at 8, run 22)
+CANDIDATE_TILINGS="stagger_x_loads=false"  # mma's activation loads without Mosaic's staggered plan (its
+                      # selects are 16 of the NVFP4 GEMV's 271 instructions a K step; plain loads share banks):
+                      # untimed, `lever` runs its GPU test, GEMV fit and gated A/B in one call. Measured and not
+                      # adopted: the warpgroup-level lowering (`lane_lowering=false`: the GEMV's SASS loop is the
+                      # same, decode x0.989 and x1.016 in two A/Bs, run 23); 4 or 16 decode CTAs an SM (the
+                      # GEMV slower than at 8, run 22)
 CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
@@ -161,7 +165,7 @@ case "${1:-}" in
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
                   --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
   sampler) leg 200 benchmarks/sampler.py --batches 1,8,32 ;;
-  lever) kernel_tests 120 "mma or store_real_rows"  # the decode blocks' paths (a whole call: ab.py takes ~380 s)
+  lever) kernel_tests 120 "mma or store_real_rows or plain_x"  # the decode blocks' paths (a whole call: ab.py ~380 s)
          leg 120 benchmarks/kernels.py --only scaling --formats nvfp4,fp8 --tilings "${2:-$CANDIDATE_TILINGS}" \
            | grep "scaling .*: kernel us"
          leg 400 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 4 --tilings "${2:-$CANDIDATE_TILINGS}" ;;

@@ -97,7 +97,14 @@ class Tiling:
     Measured (H100, Nsight Compute): the M=1 GEMV 2688 -> 10304 executes 5.38 -> 4.99 M instructions,
     10.98 -> 10.85 µs; GEMV fit 2.0 µs + bytes / 1,961 GB/s -> 2.1 + / 2,067; NANO_NVFP4 decode (gated,
     interleaved calls, two runs) batch 1 x0.986 and x0.987 (2.496 -> 2.461 ms), batch 32 x1.000, same
-    tokens."""
+    tokens.
+
+    stagger_x_loads: under warp-level mma, the activations' SMEM loads take Mosaic GPU's bank-conflict-free
+    plan: two lane groups load a thread's registers in staggered order, and selects put them back (16 of
+    the NVFP4 GEMV's 271 instructions a K step of 8 mma, Nsight Compute, run 23 in docs/BENCHMARKS.md).
+    Off, the loads are plain: no selects, two lanes of a wavefront sharing a bank on each 8-byte load.
+    Which costs less in these instruction-bound kernels is for a GPU to say: untimed, on (Mosaic's
+    default) until a gated A/B shows otherwise."""
 
     tk: int | None = None
     stages: int = 4
@@ -114,6 +121,7 @@ class Tiling:
     lane_lowering: bool = True
     store_real_rows: bool = True
     mma_scale_pairs: bool = True
+    stagger_x_loads: bool = True
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -250,7 +258,8 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, 
         x = _pad_axis(x, 2, k_total)
     out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles, tm=tm, mma=mma,
-                      scale_pairs=scale_pairs, lane=tiling.lane_lowering, out_rows=rows if tiling.store_real_rows else tm,
+                      scale_pairs=scale_pairs, stagger_x=tiling.stagger_x_loads or not mma, lane=tiling.lane_lowering,
+                      out_rows=rows if tiling.store_real_rows else tm,
                       interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.

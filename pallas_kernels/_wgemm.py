@@ -132,10 +132,10 @@ def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
-                                             "mma", "scale_pairs", "lane", "out_rows", "interpret"))
+                                             "mma", "scale_pairs", "stagger_x", "lane", "out_rows", "interpret"))
 def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
                 ptx: bool = False, tiles: int = 1, tm: int | None = None, mma: bool = False, scale_pairs: bool = False,
-                lane: bool = False, out_rows: int | None = None, interpret=None):
+                stagger_x: bool = True, lane: bool = False, out_rows: int | None = None, interpret=None):
     """Blocked product, float32 [splits, B, out_rows, N] (see module docstring); B = len(eid), and x
     [1, rows, K] is every block's rows (one token's experts all read the same row). tm: rows of a block
     (default: x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a
@@ -145,7 +145,9 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     with each activation tile it streams (the activation traffic divided by tiles; a last CTA's tiles past
     N read zeros and store nothing). mma: warp-level mma for 8-row blocks (module docstring); scale_pairs:
     under mma, the block scales loaded two rows at a time in the format's mma_scale_layout, each thread
-    holding only the block its lanes' weight codes belong to (else every row whole, in ROW_LAYOUT). lane: Mosaic
+    holding only the block its lanes' weight codes belong to (else every row whole, in ROW_LAYOUT);
+    stagger_x: under mma, x's SMEM loads take Mosaic's bank-conflict-free plan (lanes in two groups loading
+    in staggered order, their registers put back with selects), else the plain one. lane: Mosaic
     GPU lowers the kernel at lane level (LoweringSemantics.Lane) instead of warpgroup level, skipping its
     layout inference (module docstring)."""
     (num_blocks,), (x_blocks, rows, kx) = eid.shape, x.shape
@@ -218,7 +220,8 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
                                              optimized=False) for c in range(n_scale // 2)]
                     else:
                         scales = [plgpu.load(s_smem[0].at[c], layout=ROW_LAYOUT, optimized=False) for c in range(n_scale)]
-                    return plgpu.mma(acc, fmt.decode_mma_tile(codes, scales), fmt.load_mma_x(x_smem.T))
+                    x_operand = fmt.load_mma_x(x_smem.T, optimized=stagger_x)
+                    return plgpu.mma(acc, fmt.decode_mma_tile(codes, scales), x_operand)
 
                 zero = plgpu.layout_cast(jnp.zeros((TN, tm), jnp.float32), plgpu.Layout.MMA_ACC(mma_dtype))
                 acc = relabel_registers(pipeline(mma_step, init_carry=zero), plgpu.Layout.MMA_ACC(mma_dtype),

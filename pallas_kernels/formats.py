@@ -181,16 +181,19 @@ def mma_rhs_register(chunk: int, h: int) -> tuple[int, ...]:
     return (chunk, 0, h, 0, 0, 0, 0, 0)
 
 
-def _load_mma_rhs(x_t, layout) -> jax.Array:
+def _load_mma_rhs(x_t, layout, optimized: bool) -> jax.Array:
     """x_t [tk, 8] bfloat16 (an SMEM activation tile, transposed) -> warp-level mma's B operand
     (MMA_RHS(bfloat16)), K in the order of `layout`: loaded with four adjacent activations of a row a
-    thread (`layout`, a format's mma_x_layout), each register's two pairs relabelled, none moved. GPU only."""
+    thread (`layout`, a format's mma_x_layout), each register's two pairs relabelled, none moved.
+    optimized: Mosaic's bank-conflict-free load plan (two lane groups in staggered order, registers put
+    back with selects), else the plain one (two lanes of a 16-lane wavefront may share a bank). GPU only."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from pallas_kernels._wgemm import relabel_registers
 
     registers = layout.to_mgpu().registers_shape(x_t.shape)  # in K order: 16 activations of a row each
     where = lambda index, h: mma_rhs_register(int(np.ravel_multi_index(index, registers)), h)
-    return relabel_registers(plgpu.load(x_t, layout=layout), layout, plgpu.Layout.MMA_RHS(jnp.bfloat16), 2, where)
+    return relabel_registers(plgpu.load(x_t, layout=layout, optimized=optimized), layout,
+                             plgpu.Layout.MMA_RHS(jnp.bfloat16), 2, where)
 
 
 def _ptx_decode_mma(codes: jax.Array, scales: list[jax.Array]) -> jax.Array:
@@ -366,10 +369,10 @@ class FP8Weight:
         return plgpu.Layout.MMA_RHS(jnp.uint8)
 
     @staticmethod
-    def load_mma_x(x_t) -> jax.Array:
+    def load_mma_x(x_t, optimized: bool = True) -> jax.Array:
         """x_t [tk, 8] bfloat16 activation tile in SMEM (transposed) -> warp-level mma's B operand, K in
         mma_k_order (no permuted copy of x). GPU only."""
-        return _load_mma_rhs(x_t, FP8Weight.mma_x_layout())
+        return _load_mma_rhs(x_t, FP8Weight.mma_x_layout(), optimized)
 
 
 @jax.tree_util.register_dataclass
@@ -522,10 +525,10 @@ class NVFP4Weight:
                                   warp_dims=(plgpu.Replicated(4),), lane_dims=(-5, -8, -4), vector_dim=-2)
 
     @staticmethod
-    def load_mma_x(x_t) -> jax.Array:
+    def load_mma_x(x_t, optimized: bool = True) -> jax.Array:
         """x_t [tk, 8] bfloat16 activation tile in SMEM (transposed) -> warp-level mma's B operand, K in
         mma_k_order (no permuted copy of x). GPU only."""
-        return _load_mma_rhs(x_t, NVFP4Weight.mma_x_layout())
+        return _load_mma_rhs(x_t, NVFP4Weight.mma_x_layout(), optimized)
 
     @staticmethod
     def _bf16_ptx_scale(scale_row: jax.Array) -> jax.Array:

@@ -353,6 +353,41 @@ def test_mma_scale_pairs_same_products():
                          (1, 3))
 
 
+@pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its activation loads run on the GPU only")
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_plain_x_loads_same_products(fmt):
+    """Tiling.stagger_x_loads=False on the GPU: the activations loaded for warp-level mma by the plain plan
+    (no staggered lane groups, no selects) give the staggered plan's products bit for bit: 1, 5 and 8
+    rows, a split-K plan, one and three tokens' experts."""
+    rng = _rng(30)
+    w = WEIGHTS[fmt](rng, (), 192, 640)
+    up, down = WEIGHTS[fmt](rng, (4,), 192, 640), WEIGHTS[fmt](rng, (4,), 640, 192)
+    _same_products_under(lambda tiling: dataclasses.replace(tiling, stagger_x_loads=False), rng, w, up, down,
+                         [(n, jnp.bfloat16) for n in (1, 5, 8)], (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)),
+                         (1, 3))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_stagger_x_loads_picks_the_load_plan(fmt, monkeypatch):
+    """What Tiling.stagger_x_loads is: lowered for the GPU, a decode row's kernel loads its activations for
+    warp-level mma by Mosaic GPU's staggered (bank-conflict-free) plan by default, and off it plans no
+    activation load at all (the plain one); the weight codes' load plan is the same either way."""
+    from jax import export
+    from jax.experimental.mosaic.gpu import fragmented_array
+
+    plans = []
+    plan = fragmented_array.plan_tiled_transfer
+    monkeypatch.setattr(fragmented_array, "plan_tiled_transfer",
+                        lambda *a, **k: (lambda p: (plans.append(type(p).__name__), p)[1])(plan(*a, **k)))
+    rng = _rng(31)
+    w, x = WEIGHTS[fmt](rng, (), 128, 640), _x(rng, (1, 640), jnp.bfloat16)
+    for tiling, want in ((Tiling(), ["TrivialTransferPlan", "StaggeredTransferPlan"]),
+                         (Tiling(stagger_x_loads=False), ["TrivialTransferPlan"])):
+        plans.clear()
+        export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=tiling)), platforms=["cuda"])(x, w)
+        assert sorted(plans) == sorted(want), (tiling.stagger_x_loads, plans)
+
+
 def test_row_scaling_is_frexp_and_ldexp():
     """The activations' per-row power-of-two scaling, built from float bits, is frexp/ldexp exactly for
     rows with a normal max (every magnitude bf16 reaches below 2**126), and the output's inverse scaling
@@ -585,7 +620,8 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
                            (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False)), (3, None),
                            (1, Tiling(mma_sync=False)), (3, Tiling(mma_sync=False)), (1, Tiling(store_real_rows=False)),
                            (1, Tiling(store_real_rows=False, mma_sync=False)), (1, Tiling(mma_scale_pairs=False)),
-                           (3, Tiling(mma_scale_pairs=False))):
+                           (3, Tiling(mma_scale_pairs=False)), (1, Tiling(stagger_x_loads=False)),
+                           (3, Tiling(stagger_x_loads=False))):
         experts(tokens, tiling)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
     # 128-row blocks is the largest pipeline (FP8: 224 KiB of the 227 KiB of shared memory)
