@@ -371,7 +371,8 @@ class FP8Weight:
     @staticmethod
     def load_mma_x(x_t, optimized: bool = True) -> jax.Array:
         """x_t [tk, 8] bfloat16 activation tile in SMEM (transposed) -> warp-level mma's B operand, K in
-        mma_k_order (no permuted copy of x). GPU only."""
+        mma_k_order (no permuted copy of x); optimized: Mosaic's staggered, bank-conflict-free load plan, else
+        the plain one (_load_mma_rhs). GPU only."""
         return _load_mma_rhs(x_t, FP8Weight.mma_x_layout(), optimized)
 
 
@@ -527,7 +528,8 @@ class NVFP4Weight:
     @staticmethod
     def load_mma_x(x_t, optimized: bool = True) -> jax.Array:
         """x_t [tk, 8] bfloat16 activation tile in SMEM (transposed) -> warp-level mma's B operand, K in
-        mma_k_order (no permuted copy of x). GPU only."""
+        mma_k_order (no permuted copy of x); optimized: Mosaic's staggered, bank-conflict-free load plan, else
+        the plain one (_load_mma_rhs). GPU only."""
         return _load_mma_rhs(x_t, NVFP4Weight.mma_x_layout(), optimized)
 
     @staticmethod
