@@ -40,8 +40,8 @@
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
-#   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: the decode blocks' kernel tests (mma,
-#                                     # real rows, plain x loads), then the GEMV fit of each
+#   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: the decode blocks' kernel tests (mma
+#                                     # and its load options, real rows), then the GEMV fit of each
 #                                     # quantised format under it, then `variants` with rounds 4 (default:
 #                                     # $CANDIDATE_TILINGS)
 #   bash benchmarks/h200.sh kernel-variants [TILINGS]  # the weight kernels under the default tiling and those
@@ -82,7 +82,7 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
 # the kernel tests that a GPU runs differently from the interpreter (Mosaic, PTX, mma, TMA fills)
 # (a second argument: another -k selection)
 kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-                   -k "${2:-tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane or store_real_rows or plain_x}" \
+                   -k "${2:-tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane or store_real_rows}" \
                    2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
@@ -165,7 +165,7 @@ case "${1:-}" in
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
                   --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
   sampler) leg 200 benchmarks/sampler.py --batches 1,8,32 ;;
-  lever) kernel_tests 120 "mma or store_real_rows or plain_x"  # the decode blocks' paths (a whole call: ab.py ~380 s)
+  lever) kernel_tests 120 "mma or store_real_rows"  # the decode blocks' paths (a whole call: ab.py ~380 s)
          leg 120 benchmarks/kernels.py --only scaling --formats nvfp4,fp8 --tilings "${2:-$CANDIDATE_TILINGS}" \
            | grep "scaling .*: kernel us"
          leg 400 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 4 --tilings "${2:-$CANDIDATE_TILINGS}" ;;

@@ -339,32 +339,22 @@ def test_mma_sync_products(fmt):
                    TOL_XLA, f"{tokens} tokens, mma_sync={mma}")
 
 
-@pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its PTX decode run on the GPU only")
-def test_mma_scale_pairs_same_products():
-    """Tiling.mma_scale_pairs (the default) on the GPU: NVFP4 block scales loaded a chunk's pair at a time,
-    each lane its own block's, give the products of every row loaded whole and picked per lane, bit for
-    bit: 1, 5 and 8 rows, a split-K plan, one and three tokens' experts."""
+@pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma, its PTX decode and its loads run on the GPU only")
+@pytest.mark.parametrize("fmt, option, value", [("nvfp4", "mma_scale_pairs", True), ("nvfp4", "stagger_x_loads", False),
+                                                 ("fp8", "stagger_x_loads", False)])
+def test_mma_load_options_same_products(fmt, option, value):
+    """Tiling options of what warp-level mma loads give the other setting's products bit for bit on the
+    GPU: mma_scale_pairs (the default; NVFP4 block scales a chunk's pair at a time, each lane its own
+    block's, against every row loaded whole and picked per lane) and stagger_x_loads=False (activations by
+    the plain load plan, against Mosaic's staggered one); 1, 5 and 8 rows, a split-K plan, one and three
+    tokens' experts."""
     rng = _rng(29)
-    w = WEIGHTS["nvfp4"](rng, (), 192, 640)
-    up, down = WEIGHTS["nvfp4"](rng, (4,), 192, 640), WEIGHTS["nvfp4"](rng, (4,), 640, 192)
-    _same_products_under(lambda tiling: dataclasses.replace(tiling, mma_scale_pairs=True), rng, w, up, down,
-                         [(n, jnp.bfloat16) for n in (1, 5, 8)],
-                         (Tiling(mma_scale_pairs=False), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, mma_scale_pairs=False)),
-                         (1, 3))
-
-
-@pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its activation loads run on the GPU only")
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_plain_x_loads_same_products(fmt):
-    """Tiling.stagger_x_loads=False on the GPU: the activations loaded for warp-level mma by the plain plan
-    (no staggered lane groups, no selects) give the staggered plan's products bit for bit: 1, 5 and 8
-    rows, a split-K plan, one and three tokens' experts."""
-    rng = _rng(30)
     w = WEIGHTS[fmt](rng, (), 192, 640)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 640), WEIGHTS[fmt](rng, (4,), 640, 192)
-    _same_products_under(lambda tiling: dataclasses.replace(tiling, stagger_x_loads=False), rng, w, up, down,
-                         [(n, jnp.bfloat16) for n in (1, 5, 8)], (Tiling(), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1)),
-                         (1, 3))
+    other = {option: not value}
+    _same_products_under(lambda tiling: dataclasses.replace(tiling, **{option: value}), rng, w, up, down,
+                         [(n, jnp.bfloat16) for n in (1, 5, 8)],
+                         (Tiling(**other), Tiling(decode_ctas_per_sm=2, ctas_per_sm=1, **other)), (1, 3))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -375,10 +365,14 @@ def test_stagger_x_loads_picks_the_load_plan(fmt, monkeypatch):
     from jax import export
     from jax.experimental.mosaic.gpu import fragmented_array
 
-    plans = []
-    plan = fragmented_array.plan_tiled_transfer
-    monkeypatch.setattr(fragmented_array, "plan_tiled_transfer",
-                        lambda *a, **k: (lambda p: (plans.append(type(p).__name__), p)[1])(plan(*a, **k)))
+    plans, plan = [], fragmented_array.plan_tiled_transfer
+
+    def recorded(*args, **kwargs):
+        planned = plan(*args, **kwargs)
+        plans.append(type(planned).__name__)
+        return planned
+
+    monkeypatch.setattr(fragmented_array, "plan_tiled_transfer", recorded)
     rng = _rng(31)
     w, x = WEIGHTS[fmt](rng, (), 128, 640), _x(rng, (1, 640), jnp.bfloat16)
     for tiling, want in ((Tiling(), ["TrivialTransferPlan", "StaggeredTransferPlan"]),
