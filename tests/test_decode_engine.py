@@ -145,6 +145,23 @@ def test_capacity_errors(params):
                               cache=CacheSpec(memory_budget_bytes=1 << 20))[0]) == 4
 
 
+def test_state_costs_traced_once_per_layout(params, monkeypatch):
+    """A repeated request reads the layers' state costs without tracing their init_state again (host time
+    every prefill call spent before the device started); other layers or another page size get their own."""
+    from nemoh import surgery
+    from nemoh.engine import carry as carry_mod
+
+    traced, real = [], carry_mod.initial_states
+    monkeypatch.setattr(carry_mod, "initial_states", lambda p, shape: traced.append(shape) or real(p, shape))
+    monkeypatch.setattr(carry_mod, "_STATE_COSTS", {})
+    first = carry_mod.state_costs(params, 4)
+    assert len(traced) == 3
+    assert carry_mod.state_costs(params, 4) == first and len(traced) == 3
+    assert carry_mod.state_costs(params, 8) == carry_mod.StateCosts(first.per_row, 2 * first.per_page)
+    no_mamba = carry_mod.state_costs(surgery.drop(params, "mamba"), 4)
+    assert no_mamba.per_row < first.per_row and no_mamba.per_page == first.per_page and len(traced) == 9
+
+
 @pytest.mark.parametrize("prompts, kwargs, match", [
     ([], {}, "non-empty list"),
     ([[1, 2], []], {}, "prompt 1 is empty"),
