@@ -6,8 +6,9 @@
 Per layout: the token gate and the per-layer check of benchmarks/checks.py, random params at full size
 built on the device, then per shape (prompts x tokens, random prompts): the first prefill call (compile +
 run), untimed calls for a second, then the median of `repeats` calls: prompt tokens per second (real
-prompt tokens, not padding), ms per call, peak device memory. The engine's default chunking is used
-(nemoh.engine.layout.chunk_width).
+prompt tokens, not padding), ms per call and the host's part of it before the device starts (the
+request's checks, cache plan and inputs sent: prefill_program), peak device memory. The engine's
+default chunking is used (nemoh.engine.layout.chunk_width).
 With --profile, one more call is profiled and its kernel time split by layer kind (benchmarks/profile.py).
 Results: prefill.jsonl and prefill-<layouts>.md in --out.
 """
@@ -62,7 +63,11 @@ def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> d
     finish_compiling()  # the request's decode program, compiling beside prefill: not while timing
     warm_up(run)
     call_s = statistics.median(wall_s(run, repeats))
+    # the host's part of a call before the device starts: checks, the cache plan, the inputs sent
+    send = lambda: jax.block_until_ready(prefill_program(params, prompts, **kw)[1])
+    host_s = statistics.median(wall_s(send, repeats))
     out = {"rows": rows, "tokens": tokens, "prompt_tokens": rows * tokens, "ms_per_call": 1e3 * call_s,
+           "host_ms_per_call": 1e3 * host_s,
            "tok_per_s": rows * tokens / call_s, "first_call_s": first, "compile_s": compiled["_prefill"],
            "peak_device_bytes": peak_memory_bytes()}
     if profile:
@@ -78,7 +83,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def prefill_line(layout: str, r: dict, gate_text: str, check: str) -> str:
     peak = (r["peak_device_bytes"] or 0) / 2**30
-    rate = f"{r['tok_per_s']:.0f} tok/s, {r['ms_per_call']:.1f} ms/call, compile {r['compile_s']:.1f} s"
+    rate = (f"{r['tok_per_s']:.0f} tok/s, {r['ms_per_call']:.1f} ms/call (host checks and inputs "
+            f"{r['host_ms_per_call']:.1f} ms of it), compile {r['compile_s']:.1f} s")
     return f"[{layout}] prefill {r['rows']}x{r['tokens']}: {rate}, peak {peak:.1f} GiB | {gate_text} | {check}"
 
 

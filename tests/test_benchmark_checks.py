@@ -138,6 +138,8 @@ def test_prefill_leg_warms_up_then_times():
         r = prefill_benchmark.time_shape(random_params(CONFIG, "NANO_NVFP4"), 2, 8, repeats=2, profile=False)
     assert calls == [2]
     assert r["prompt_tokens"] == 16 and r["tok_per_s"] > 0 and r["compile_s"] >= 0  # 0: compiled by another test
+    assert 0 < r["host_ms_per_call"] < r["ms_per_call"]
+    assert "ms/call (host checks and inputs" in prefill_benchmark.prefill_line("L", r, "ungated", "check")
 
 
 def test_warm_up_runs_for_its_time_and_at_least_its_calls():
