@@ -153,7 +153,7 @@ def test_state_costs_traced_once_per_layout(params, monkeypatch):
 
     traced, real = [], carry_mod.initial_states
     monkeypatch.setattr(carry_mod, "initial_states", lambda p, shape: traced.append(shape) or real(p, shape))
-    monkeypatch.setattr(carry_mod, "_STATE_COSTS", {})
+    monkeypatch.setattr(carry_mod, "_EXPECTED", {})
     first = carry_mod.state_costs(params, 4)
     assert len(traced) == 3
     assert carry_mod.state_costs(params, 4) == first and len(traced) == 3

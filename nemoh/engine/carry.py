@@ -7,6 +7,7 @@ read: the next input token is produced on the device inside the step and read th
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import Any
 
@@ -70,28 +71,18 @@ class StateCosts:
     per_page: int
 
 
-_STATE_COSTS: dict = {}  # state_costs' key -> StateCosts
-
-
 def state_costs(params: ModelParams, page_size: int) -> StateCosts:
-    """Read off the layers' init_state at two batch sizes and two pool sizes (shapes only, no memory).
-    Kept per layers' structure and leaf shapes, config, dtype and page size (what the states' shapes
-    follow from: prefill makes them inside a jitted program, from traced params): tracing every layer's
-    init_state three times takes ~10 ms of host time at 52 layers, which each prefill call would
-    otherwise spend before the device starts."""
-    leaves, tree = jax.tree.flatten(params.layers)
-    key = (tree, tuple((a.shape, a.dtype) for a in leaves), params.config, jnp.dtype(params.dtype), page_size)
-    if key not in _STATE_COSTS:
-        def total(batch: int, pages: int) -> int:
-            shape = StateShape(batch, pages, page_size, params.dtype)
-            states = jax.eval_shape(lambda: initial_states(params, shape))
-            return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(states))
+    """Read off the layers' init_state at two batch sizes and two pool sizes (shapes only, no memory),
+    each traced once (_specs_for): tracing all layers' init_state three times took ~13 ms of host time
+    at 52 layers, which each prefill call spent before the device started."""
+    specs = _specs_for(params)
 
-        base = total(1, 1)
-        if len(_STATE_COSTS) > 64:
-            _STATE_COSTS.clear()
-        _STATE_COSTS[key] = StateCosts(per_row=total(2, 1) - base, per_page=total(1, 2) - base)
-    return _STATE_COSTS[key]
+    def total(batch: int, pages: int) -> int:
+        layers = specs(StateShape(batch, pages, page_size, jnp.dtype(params.dtype)))
+        return sum(math.prod(shape) * dtype.itemsize for spec in layers for shape, dtype in spec.leaves)
+
+    base = total(1, 1)
+    return StateCosts(per_row=total(2, 1) - base, per_page=total(1, 2) - base)
 
 
 def check_live(carry: DecodeCarry) -> None:
@@ -121,17 +112,29 @@ def _spec(state) -> _Spec:
     return _Spec(tree, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves(state)), name)
 
 
-_EXPECTED: dict = {}  # (layers' structure and leaf shapes, cfg, StateShape) -> expected state specs
+_EXPECTED: dict = {}  # layers' structure, leaf shapes and config -> {StateShape: expected state specs}
 
 
-def _expected(params: ModelParams, shape: StateShape) -> tuple:
+def _specs_for(params: ModelParams):
+    """shape -> the state specs (_Spec per layer) params' layers make for that StateShape, each traced
+    once. Kept per what the states follow from (prefill makes them inside a jitted program, from traced
+    params): the layers' structure and leaf shapes, and the config."""
     leaves, tree = jax.tree.flatten(params.layers)
-    key = (tree, tuple((a.shape, a.dtype) for a in leaves), params.config, shape)
-    if key not in _EXPECTED:
+    key = (tree, tuple((a.shape, a.dtype) for a in leaves), params.config)
+    by_shape = _EXPECTED.get(key)
+    if by_shape is None:
         if len(_EXPECTED) > 16:
             _EXPECTED.clear()
-        _EXPECTED[key] = tuple(_spec(s) for s in jax.eval_shape(lambda: initial_states(params, shape)))
-    return _EXPECTED[key]
+        by_shape = _EXPECTED[key] = {}
+
+    def specs(shape: StateShape) -> tuple:
+        if shape not in by_shape:
+            if len(by_shape) > 64:
+                by_shape.clear()
+            by_shape[shape] = tuple(_spec(s) for s in jax.eval_shape(lambda: initial_states(params, shape)))
+        return by_shape[shape]
+
+    return specs
 
 
 def check_matches(params: ModelParams, carry: DecodeCarry) -> None:
@@ -143,7 +146,7 @@ def check_matches(params: ModelParams, carry: DecodeCarry) -> None:
     passed = _MATCHED.get(id(params))
     if passed is not None and passed[0]() is params and layout in passed[1]:
         return
-    want = _expected(params, dataclasses.replace(carry.state_shape, dtype=jnp.dtype(params.dtype)))
+    want = _specs_for(params)(dataclasses.replace(carry.state_shape, dtype=jnp.dtype(params.dtype)))
     got = tuple(_spec(s) for s in carry.states)
     if len(got) != len(want):
         raise RequestError(f"carry does not match params: {len(got)} layer states, the model has {len(want)} layers")
