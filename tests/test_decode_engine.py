@@ -160,6 +160,11 @@ def test_state_costs_traced_once_per_layout(params, monkeypatch):
     assert carry_mod.state_costs(params, 8) == carry_mod.StateCosts(first.per_row, 2 * first.per_page)
     no_mamba = carry_mod.state_costs(surgery.drop(params, "mamba"), 4)
     assert no_mamba.per_row < first.per_row and no_mamba.per_page == first.per_page and len(traced) == 9
+    shape = traced[0]  # what a sharded request checks its carry against: the same states, not traced again
+    want = jax.eval_shape(lambda: real(params, shape))
+    got = carry_mod.abstract_states(params, shape)
+    assert len(traced) == 9 and jax.tree.structure(got) == jax.tree.structure(want)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(got)] == [(a.shape, a.dtype) for a in jax.tree.leaves(want)]
 
 
 @pytest.mark.parametrize("prompts, kwargs, match", [

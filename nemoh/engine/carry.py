@@ -137,6 +137,13 @@ def _specs_for(params: ModelParams):
     return specs
 
 
+def abstract_states(params: ModelParams, shape: StateShape) -> tuple:
+    """initial_states(params, shape) as shapes and dtypes (jax.ShapeDtypeStruct leaves), from _specs_for's
+    cache: what a sharded request checks its carry's layout against without tracing the layers again."""
+    return tuple(spec.tree.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in spec.leaves])
+                 for spec in _specs_for(params)(shape))
+
+
 def check_matches(params: ModelParams, carry: DecodeCarry) -> None:
     """RequestError unless carry's states have the structure, shapes and dtypes `params` would give
     them (e.g. a float32 carry with bfloat16 params, or a carry from another model). A (params, carry

@@ -17,7 +17,7 @@ import numpy as np
 
 from nemoh import validate
 from nemoh.engine import xla_options
-from nemoh.engine.carry import DecodeCarry, initial_states, raise_if_nonfinite, state_costs
+from nemoh.engine.carry import DecodeCarry, abstract_states, initial_states, raise_if_nonfinite, state_costs
 from nemoh.engine.decode import compile_ahead
 from nemoh.engine.kv_pages import CacheSpec, block_tables
 from nemoh.engine.layout import MAX_ROW_TOKENS, Layout, plan
@@ -179,6 +179,6 @@ def prefill_program(params: ModelParams, prompts, *, max_new_tokens: int, sampli
         x = jax.device_put(x)
     else:  # the carry's layout is checked (MeshError) before anything is sent
         shape = StateShape(lay.rows, lay.num_pages, lay.page_size, jnp.dtype(params.dtype))
-        placement.specs(jax.eval_shape(lambda: initial_states(params, shape)), "carry.states")
+        placement.specs(abstract_states(params, shape), "carry.states")
         x = placement.place(x)
     return params, x, dict(chunk=lay.chunk, num_pages=lay.num_pages, page_size=lay.page_size)
