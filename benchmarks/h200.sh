@@ -33,7 +33,7 @@
 #                                     # default tiling against others (default: $CANDIDATE_TILINGS) in one
 #                                     # process, calls interleaved, every variant gated (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS] [LAYOUT]  # the same for prefill 1x2048 and 8x512
-#                                     # (default: two weight tiles a CTA, 128-row MoE expert blocks; NANO_NVFP4)
+#                                     # (default: two weight tiles a CTA; NANO_NVFP4)
 #   bash benchmarks/h200.sh xla-variants [SETS] [SAMPLING]  # NANO_NVFP4 decode batches 1,32: XLA options compiled
 #                                     # into the decode program against the engine's own, in one process
 #                                     # (default: $CANDIDATE_XLA, none now: name SETS); greedy,
@@ -92,7 +92,8 @@ CANDIDATE_TILINGS="stagger_x_loads=false"  # mma's activation loads without Mosa
                       # adopted: the warpgroup-level lowering (`lane_lowering=false`: the GEMV's SASS loop is the
                       # same, decode x0.989 and x1.016 in two A/Bs, run 23); 4 or 16 decode CTAs an SM (the
                       # GEMV slower than at 8, run 22)
-CANDIDATE_PREFILL_TILINGS="weight_tiles=2;moe_block_rows=128"  # each gated: two fit one call
+CANDIDATE_PREFILL_TILINGS="weight_tiles=2"  # two tiles a CTA: x0.977 and x0.968 of three on the H200 (run 24),
+                      # three beat two on the H100 (run 12); 128-row expert blocks were x1.1 slower (run 24)
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
 # adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)
