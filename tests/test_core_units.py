@@ -83,7 +83,7 @@ def test_config_file_errors(tmp_path):
 
 # ---- SSD --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("T, Q, G, with_state", [(37, 8, 2, True), (37, 8, 1, False), (5, 16, 2, True),
-                                                 (1, 4, 2, True), (32, 8, 4, False)])
+                                                 (1, 4, 2, True), (32, 8, 4, False), (150, 4, 2, True)])
 def test_chunked_ssd_equals_recurrence(T, Q, G, with_state):
     k = jax.random.split(jax.random.PRNGKey(T * 10 + Q), 7)
     b, nh, hd, N = 2, 4, 3, 5
@@ -104,6 +104,27 @@ def test_chunked_ssd_equals_recurrence(T, Q, G, with_state):
     if T // 2:
         _, s_pad = ssd_chunked(x, dt0, A, B, C, D, Q, s0)
         np.testing.assert_allclose(np.asarray(s_pad), np.asarray(s_half), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [16, 38])
+def test_chunked_ssd_pass_unrolled_up_to_16_chunks(chunks, monkeypatch):
+    """The pass from chunk to chunk holds no loop up to UNROLLED_CHUNKS chunks (a loop's trips each launch
+    their kernels from the host on the GPU), loops over groups of them past that (bounded compile), and
+    is the loop's arithmetic either way: the same bits as one chunk a trip."""
+    from nemoh.layers import ssd
+
+    k = jax.random.split(jax.random.PRNGKey(chunks), 6)
+    b, Q, nh, hd, G, N = 1, 4, 4, 3, 2, 5
+    T = chunks * Q
+    args = (jax.random.normal(k[0], (b, T, nh, hd)), jax.nn.softplus(jax.random.normal(k[1], (b, T, nh))),
+            -jnp.ones((nh,)), jax.random.normal(k[3], (b, T, G, N)), jax.random.normal(k[4], (b, T, G, N)),
+            jnp.ones((nh,)), jax.random.normal(k[5], (b, nh, hd, N)))
+    run = lambda: jax.jit(lambda x, dt, A, B, C, D, s0: ssd_chunked(x, dt, A, B, C, D, Q, s0))
+    assert ("stablehlo.while" in run().lower(*args).as_text()) == (chunks > ssd.UNROLLED_CHUNKS)
+    y, s = run()(*args)
+    monkeypatch.setattr(ssd, "UNROLLED_CHUNKS", 1)
+    y_loop, s_loop = run()(*args)
+    assert np.array_equal(np.asarray(y), np.asarray(y_loop)) and np.array_equal(np.asarray(s), np.asarray(s_loop))
 
 
 # ---- checkpoint errors ----------------------------------------------------------------------------

@@ -56,6 +56,9 @@ def ssd_reference(x, dt, A, B, C, D, initial_state=None):
     return jnp.moveaxis(ys, 0, 1), state
 
 
+UNROLLED_CHUNKS = 16  # chunks of ssd_chunked's pass a loop trip holds (all of them, up to this many)
+
+
 def _segsum(a: jax.Array) -> jax.Array:
     """a [..., Q] -> [..., Q, Q] with out[l, s] = sum_{s < j <= l} a[j] for s <= l, -inf above the diagonal.
 
@@ -99,9 +102,12 @@ def ssd_chunked(x, dt, A, B, C, D, chunk_size: int, initial_state=None):
     decay_to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # [b, nc, G, hpg, Q]
     chunk_states = jnp.einsum("bcsgn,bcghs,bcsghp->bcghpn", Bc, decay_to_end, xdt, precision=_HI)
 
-    # sequential pass over chunks: S_start[c+1] = exp(sum a over chunk c) * S_start[c] + chunk_states[c].
-    # A loop: on the GPU it measured faster than one product over chunks (exp of the chunk totals' segment
-    # sums times the contributions), and an unrolled pass compiles in time growing with the chunk count
+    # sequential pass over chunks: S_start[c+1] = exp(sum a over chunk c) * S_start[c] + chunk_states[c],
+    # UNROLLED_CHUNKS chunks a trip: up to 16 chunks (a 2,048-token prompt chunk) it holds no loop, whose
+    # trips each launched their kernels from the host on the GPU (~0.3 ms idle a Mamba layer in a
+    # 2,048-token prefill); past that, trips of 16 keep the compile bounded (one Nano-width layer on the
+    # CPU: 0.67 s at 16 chunks, 0.79 s at 64, 2.8 s unrolled whole). One product over chunks (exp of the
+    # chunk totals' segment sums times the contributions) measured slower than the loop on the GPU
     s0 = (jnp.zeros((b, nh, hd, N), jnp.float32) if initial_state is None else f32(initial_state))
     s0 = s0.reshape(b, G, hpg, hd, N)
     chunk_decay = jnp.exp(a_cum[..., -1])  # [b, nc, G, hpg]
@@ -110,7 +116,8 @@ def ssd_chunked(x, dt, A, B, C, D, chunk_size: int, initial_state=None):
         decay, contrib = inputs
         return decay[..., None, None] * s + contrib, s
 
-    final, starts = jax.lax.scan(across, s0, (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(chunk_states, 1, 0)))
+    final, starts = jax.lax.scan(across, s0, (jnp.moveaxis(chunk_decay, 1, 0), jnp.moveaxis(chunk_states, 1, 0)),
+                                 unroll=min(nc, UNROLLED_CHUNKS))
     starts = jnp.moveaxis(starts, 0, 1)  # [b, nc, G, hpg, hd, N]: state entering each chunk
 
     y_off = jnp.einsum("bclgn,bcghpn,bcghl->bclghp", Cc, starts, jnp.exp(a_cum), precision=_HI)
