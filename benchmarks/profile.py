@@ -81,38 +81,46 @@ def attribute(events, hlo_text: str) -> tuple[list[str], int]:
     return scopes, by_neighbour
 
 
-def _gpu_kernel_events(xspace_path: str):
+def _trace_events(xspace_path: str) -> tuple[list, list]:
+    """(GPU kernel events (name, duration ns, start ns, CUDA grid or None, stream), host events (name,
+    duration ns, start ns, thread): Python calls and the XLA runtime's annotations) of a trace, each in
+    start order, on one clock."""
     from jax.profiler import ProfileData
 
-    data = ProfileData.from_file(xspace_path)
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower():
-                continue
-            for ev in line.events:
-                grid = _GRID.search(str(dict(ev.stats).get("kernel_details", "")))
-                yield ev.name, float(ev.duration_ns), float(ev.start_ns), grid and grid.group(1), line.name
+    kernels, host = [], []
+    for plane in ProfileData.from_file(xspace_path).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if "stream" not in line.name.lower():
+                    continue
+                for ev in line.events:
+                    grid = _GRID.search(str(dict(ev.stats).get("kernel_details", "")))
+                    kernels.append((ev.name, float(ev.duration_ns), float(ev.start_ns), grid and grid.group(1),
+                                    line.name))
+        elif plane.name == "/host:CPU":
+            for line in plane.lines:
+                host += [(ev.name, float(ev.duration_ns), float(ev.start_ns), line.name)
+                         for ev in line.events if ev.duration_ns > 0]
+    return sorted(kernels, key=lambda e: e[2]), sorted(host, key=lambda e: e[2])
 
 
-def kernel_events(run) -> tuple[list, float]:
-    """Profile `run()` (which must block until its device work is done): (its GPU kernel events (name,
-    duration ns, start ns, CUDA grid or None, stream) in start order, wall seconds of the call)."""
+def traced_events(run) -> tuple[list, list, float]:
+    """Profile `run()` (which must block until its device work is done): (its GPU kernel events, host
+    events (_trace_events), wall seconds of the call)."""
     with tempfile.TemporaryDirectory(prefix="nemoh-profile-") as tmp:
         with jax.profiler.trace(tmp):
             t0 = time.perf_counter()
             run()
             wall = time.perf_counter() - t0
         paths = sorted(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True))
-        return (sorted(_gpu_kernel_events(paths[-1]), key=lambda e: e[2]) if paths else []), wall
+        return (*_trace_events(paths[-1]), wall) if paths else ([], [], wall)
 
 
 def profile_breakdown(run, hlo_text: str, steps: int) -> dict:
     """Profile `run()` (which must block until done and run `steps` decode steps) and split its GPU
     kernel time by scope. Returns per-scope kernel µs and launches per step, the top kernels, and the
     profiled wall time per step."""
-    events, wall = kernel_events(run)
+    events, _, wall = traced_events(run)
     per_scope_us = collections.Counter()
     per_scope_n = collections.Counter()
     per_kernel = collections.defaultdict(lambda: [0.0, 0])

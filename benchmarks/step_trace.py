@@ -10,7 +10,9 @@ decode call of `steps` steps, whose middle step's launches are printed and writt
 step-trace-<layout>-b<batch>.txt in --out, beside the compiled program's HLO text; with --prefill (e.g.
 1x2048) every launch of one prefill call of that many prompts and tokens instead
 (step-trace-<layout>-prefill<ROWSxTOKENS>.txt). The report ends with the idle time between launches by
-gap size and the largest gaps with the launches around them. Ungated: a diagnostic, not a speed result.
+gap size and the largest gaps with the launches around them and what the host was doing meanwhile (its
+innermost Python calls and XLA runtime annotations covering the gap). Ungated: a diagnostic, not a speed
+result.
 Under a profiler XLA launches a program's kernels one by one unless told otherwise; --graphs keeps its
 CUDA graphs, so the trace shows the execution that timed calls get.
 """
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import nano_config, parse_tilings
-from benchmarks.profile import _norm, attribute, kernel_events
+from benchmarks.profile import _norm, attribute, traced_events
 from benchmarks.prefill import parse_shapes, prefill_hlo, prefill_request
 from nemoh.engine.decode import _decode, decode, finish_compiling
 from nemoh.engine.kv_pages import CacheSpec
@@ -78,7 +80,8 @@ def fused_ops(hlo_text: str) -> dict[str, str]:
 
 
 def trace(params, batch: int, steps: int, prompt: int = 64):
-    """(events of one middle decode step in launch order, scopes, the compiled decode HLO text)."""
+    """(events of one middle decode step in launch order, scopes, the compiled decode HLO text, the host
+    events of the call)."""
     cfg = params.config
     prompts = [np.asarray(p, np.int32) for p in default_prompts(cfg, [prompt] * batch, seed=batch)]
     carry = prefill(params, prompts, max_new_tokens=5 * steps + 4, sampling=Sampling(), stop_ids=(), seed=0,
@@ -89,26 +92,26 @@ def trace(params, batch: int, steps: int, prompt: int = 64):
     for _ in range(2):
         carry = decode(params, carry, steps)
     jax.block_until_ready(carry.tokens)
-    events, _ = kernel_events(lambda: jax.block_until_ready(decode(params, carry, steps).tokens))
+    events, host, _ = traced_events(lambda: jax.block_until_ready(decode(params, carry, steps).tokens))
     per_step = len(events) // steps
     middle = events[per_step * (steps // 2): per_step * (steps // 2 + 1)]
     scopes, _ = attribute(middle, hlo)
-    return middle, scopes, hlo
+    return middle, scopes, hlo, host
 
 
 def trace_prefill(params, rows: int, tokens: int):
     """(events of one prefill call of `rows` prompts of `tokens` tokens in launch order, scopes, the compiled
-    prefill HLO text), after two untimed calls (the first compiles; the decode program it starts compiling
-    is finished before the profiled call)."""
+    prefill HLO text, the call's host events), after two untimed calls (the first compiles; the decode
+    program it starts compiling is finished before the profiled call)."""
     prompts, kw = prefill_request(params, rows, tokens)
     run = lambda: jax.block_until_ready(prefill(params, prompts, **kw).tokens)
     hlo = prefill_hlo(params, prompts, kw)
     for _ in range(2):
         run()
     finish_compiling()
-    events, _ = kernel_events(run)
+    events, host, _ = traced_events(run)
     scopes, _ = attribute(events, hlo)
-    return events, scopes, hlo
+    return events, scopes, hlo, host
 
 
 GAP_BINS_US = (5, 50)  # idle gaps summed under, between and over these bounds
@@ -121,23 +124,39 @@ def gaps_before(events) -> list[float]:
             for (_, prev_dur, prev_start, *_), (_, _, start, *_) in zip(events, events[1:])]
 
 
-def gap_summary(events, scopes) -> list[str]:
+def host_during(host, start_ns: float, end_ns: float, most: int = 3) -> str:
+    """What the host was doing while the GPU idled from start_ns to end_ns: the innermost (shortest) host
+    events, of distinct names, that each cover at least half of that time, as "name (thread) µs"."""
+    half = (end_ns - start_ns) / 2
+    covering = sorted((dur, name, thread) for name, dur, start, thread in host
+                      if half > 0 and min(start + dur, end_ns) - max(start, start_ns) >= half)
+    picked = []
+    for dur, name, thread in covering:
+        if len(picked) < most and all(name != p[1] for p in picked):
+            picked.append((dur, name, thread))
+    return "; ".join(f"{name[:60]} ({thread[:24]}) {dur / 1e3:.0f} µs" for dur, name, thread in picked)
+
+
+def gap_summary(events, scopes, host=()) -> list[str]:
     """Idle time between consecutive launches by gap size, and the largest gaps with the launches either side
-    (which op the GPU waited after: a device-to-host copy, a loop's predicate, a conditional)."""
+    (which op the GPU waited after: a device-to-host copy, a loop's predicate, a conditional) and what the
+    host was doing meanwhile (host_during; host: the call's host events)."""
     gaps = [(g, i) for i, g in enumerate(gaps_before(events), start=1)]
     low, high = GAP_BINS_US
     bins = [sum(g for g, _ in gaps if g > 0 and g < low), sum(g for g, _ in gaps if low <= g < high),
             sum(g for g, _ in gaps if g >= high)]
     lines = ["", f"idle between launches: under {low} µs {bins[0]:.1f} µs, {low}-{high} µs {bins[1]:.1f} µs "
              f"({sum(low <= g < high for g, _ in gaps)} gaps), over {high} µs {bins[2]:.1f} µs "
-             f"({sum(g >= high for g, _ in gaps)} gaps)", "", "| gap µs | after # (scope: kernel) | before # (scope: kernel) |",
-             "|---|---|---|"]
+             f"({sum(g >= high for g, _ in gaps)} gaps)", "",
+             "| gap µs | after # (scope: kernel) | before # (scope: kernel) | host meanwhile |", "|---|---|---|---|"]
     for g, i in sorted(gaps, reverse=True)[:LARGEST_GAPS]:
-        lines.append(f"| {g:.1f} | {i - 1} ({scopes[i - 1]}: {events[i - 1][0][:40]}) | {i} ({scopes[i]}: {events[i][0][:40]}) |")
+        (_, dur, start, *_), (_, _, next_start, *_) = events[i - 1], events[i]
+        lines.append(f"| {g:.1f} | {i - 1} ({scopes[i - 1]}: {events[i - 1][0][:40]}) | {i} ({scopes[i]}: "
+                     f"{events[i][0][:40]}) | {host_during(host, start + dur, next_start)} |")
     return lines
 
 
-def report(events, scopes, hlo: str) -> str:
+def report(events, scopes, hlo: str, host=()) -> str:
     ops = fused_ops(hlo)
     lines = [f"{len(events)} launches, {sum(e[1] for e in events) / 1e3:.1f} µs of kernels, "
              f"{(events[-1][2] + events[-1][1] - events[0][2]) / 1e3:.1f} µs first start to last end" if events else
@@ -148,7 +167,7 @@ def report(events, scopes, hlo: str) -> str:
         lines.append(f"| {i} | {scope} | {name[:48]} | {dur / 1e3:.1f} | {gap} | {what} |")
     by_scope = collections.Counter(scopes)
     lines += ["", "launches by scope: " + ", ".join(f"{k} {v}" for k, v in by_scope.most_common())]
-    return "\n".join(lines + (gap_summary(events, scopes) if len(events) > 1 else []))
+    return "\n".join(lines + (gap_summary(events, scopes, host) if len(events) > 1 else []))
 
 
 def main() -> int:
@@ -172,12 +191,12 @@ def main() -> int:
     params = random_params(cfg, args.layout, dtype=jnp.bfloat16)
     if args.prefill:
         ((rows, tokens),) = parse_shapes(args.prefill)
-        events, scopes, hlo = trace_prefill(params, rows, tokens)
+        events, scopes, hlo, host = trace_prefill(params, rows, tokens)
         what, name = f"prefill {args.prefill}", f"{args.layout}-prefill{args.prefill}"
     else:
-        events, scopes, hlo = trace(params, args.batch, args.steps)
+        events, scopes, hlo, host = trace(params, args.batch, args.steps)
         what, name = f"decode batch {args.batch}", f"{args.layout}-b{args.batch}"
-    text = report(events, scopes, hlo)
+    text = report(events, scopes, hlo, host)
     print(f"{jax.devices()[0].device_kind} | {args.layout} {args.pattern} {what} | tiling "
           f"{args.tiling or 'default'} | {'CUDA graphs' if args.graphs else 'op by op (XLA under a profiler)'}")
     print(text)

@@ -70,6 +70,30 @@ def test_step_trace_sums_idle_gaps_by_size_and_names_the_largest():
     lines = gap_summary(events, ["glue", "glue", "mamba", "mamba", "moe"])
     assert lines[1] == "idle between launches: under 5 µs 2.0 µs, 5-50 µs 10.0 µs (1 gaps), over 50 µs 80.0 µs (1 gaps)"
     rows = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
-    assert rows[0] == "| 80.0 | 1 (glue: MemcpyD2H) | 2 (mamba: b) |"
-    assert rows[1] == "| 10.0 | 2 (mamba: b) | 3 (mamba: c) |"
+    assert rows[0] == "| 80.0 | 1 (glue: MemcpyD2H) | 2 (mamba: b) |  |"
+    assert rows[1] == "| 10.0 | 2 (mamba: b) | 3 (mamba: c) |  |"
     assert len(rows) == 4
+    # with the call's host events: the innermost ones covering at least half of each gap
+    host = [("prefill", 200 * us, -50 * us, "python"), ("execute", 70 * us, 10 * us, "xla"),
+            ("launch", 30 * us, 40 * us, "xla"), ("read flags", 9 * us, 86 * us, "python")]
+    rows = [line for line in gap_summary(events, ["glue"] * 5, host) if line.startswith("| 80.0")]
+    assert rows == ["| 80.0 | 1 (glue: MemcpyD2H) | 2 (glue: b) | execute (xla) 70 µs; prefill (python) 200 µs |"]
+
+
+def test_host_events_come_with_the_kernels_of_a_trace():
+    """benchmarks/profile.py's traced_events: a profiled call's host events (the Python calls among them)
+    beside its GPU kernels (none on the CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.profile import traced_events
+
+    def traced_probe(a):
+        return jnp.sin(a) @ a
+
+    f, x = jax.jit(traced_probe), jnp.ones((64, 64))
+    f(x).block_until_ready()
+    kernels, host, wall = traced_events(lambda: f(x).block_until_ready())
+    assert kernels == [] and wall > 0
+    assert any("traced_probe" in name for name, *_ in host)
+    assert all(dur > 0 for _, dur, *_ in host) and [e[2] for e in host] == sorted(e[2] for e in host)
