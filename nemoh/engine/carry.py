@@ -112,6 +112,13 @@ def _spec(state) -> _Spec:
     return _Spec(tree, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves(state)), name)
 
 
+def shapes_key(tree) -> tuple:
+    """A hashable key of a pytree's structure and its leaves' shapes and dtypes (what traced shapes and
+    compiled programs depend on, not the values)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((a.shape, a.dtype) for a in leaves)
+
+
 _EXPECTED: dict = {}  # layers' structure, leaf shapes and config -> {StateShape: expected state specs}
 
 
@@ -119,8 +126,7 @@ def _specs_for(params: ModelParams):
     """shape -> the state specs (_Spec per layer) params' layers make for that StateShape, each traced
     once. Kept per what the states follow from (prefill makes them inside a jitted program, from traced
     params): the layers' structure and leaf shapes, and the config."""
-    leaves, tree = jax.tree.flatten(params.layers)
-    key = (tree, tuple((a.shape, a.dtype) for a in leaves), params.config)
+    key = (shapes_key(params.layers), params.config)
     by_shape = _EXPECTED.get(key)
     if by_shape is None:
         if len(_EXPECTED) > 16:
@@ -175,8 +181,7 @@ _MATCHED: dict = {}  # id(params) -> (weak reference to them, carry layouts that
 def _carry_layout(carry: DecodeCarry) -> tuple:
     """What check_matches compares, as a hashable key: the states' structure, leaf shapes and dtypes,
     the logits width and the static state shape."""
-    leaves, tree = jax.tree.flatten(carry.states)
-    return tree, tuple((a.shape, a.dtype) for a in leaves), carry.logits.shape[-1], carry.state_shape
+    return shapes_key(carry.states), carry.logits.shape[-1], carry.state_shape
 
 
 def raise_if_nonfinite(carry: DecodeCarry) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 
 from nemoh import validate
 from nemoh.engine import xla_options
-from nemoh.engine.carry import DecodeCarry, abstract_states, initial_states, raise_if_nonfinite, state_costs
+from nemoh.engine.carry import (DecodeCarry, abstract_states, initial_states, raise_if_nonfinite, shapes_key,
+                                state_costs)
 from nemoh.engine.decode import compile_ahead
 from nemoh.engine.kv_pages import CacheSpec, block_tables
 from nemoh.engine.layout import MAX_ROW_TOKENS, Layout, plan
@@ -138,8 +139,7 @@ def _compile_decode_ahead(params: ModelParams, x: PrefillInputs, static: dict) -
     that lowering): the worker's Python work then overlaps prefill's XLA compile, which holds no GIL,
     rather than prefill's own tracing."""
     device = next(iter(params.embed.devices()))
-    leaves, tree = jax.tree.flatten((params, x))
-    key = (tree, tuple((a.shape, a.dtype) for a in leaves), tuple(sorted(static.items())), device)
+    key = (shapes_key((params, x)), tuple(sorted(static.items())), device)
     if key in _AHEAD_STARTED:
         return
     if len(_AHEAD_STARTED) > 64:
