@@ -7,8 +7,8 @@ Per layout: the token gate and the per-layer check of benchmarks/checks.py, rand
 built on the device, then per shape (prompts x tokens, random prompts): the first prefill call (compile +
 run), untimed calls for a second, then the median of `repeats` calls: prompt tokens per second (real
 prompt tokens, not padding), ms per call and the host's part of it before the device starts (the
-request's checks, cache plan and inputs sent: prefill_program), peak device memory. The engine's
-default chunking is used (nemoh.engine.layout.chunk_width).
+request's checks, cache plan and inputs built: prefill_program; the call sends the inputs), peak device
+memory. The engine's default chunking is used (nemoh.engine.layout.chunk_width).
 With --profile, one more call is profiled and its kernel time split by layer kind (benchmarks/profile.py).
 Results: prefill.jsonl and prefill-<layouts>.md in --out.
 """
@@ -63,7 +63,7 @@ def time_shape(params, rows: int, tokens: int, repeats: int, profile: bool) -> d
     finish_compiling()  # the request's decode program, compiling beside prefill: not while timing
     warm_up(run)
     call_s = statistics.median(wall_s(run, repeats))
-    # the host's part of a call before the device starts: checks, the cache plan, the inputs sent
+    # the host's part of a call before the device starts: checks, the cache plan, the inputs built
     send = lambda: jax.block_until_ready(prefill_program(params, prompts, **kw)[1])
     host_s = statistics.median(wall_s(send, repeats))
     out = {"rows": rows, "tokens": tokens, "prompt_tokens": rows * tokens, "ms_per_call": 1e3 * call_s,
