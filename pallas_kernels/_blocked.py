@@ -24,11 +24,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels._backend import interpret_params, num_sms
 from pallas_kernels._wgemm import SMEM_TILE_ROWS, TN, X_TILE, mma_fits, weight_gemm
-from pallas_kernels.formats import Weight, is_quantized
+from pallas_kernels.formats import Weight, is_quantized, pow2, row_exponent
 
 ROW_ALIGN = 32  # bytes: weight rows must hold whole 32-byte swizzle tiles
 MMA_DTYPES = (jnp.bfloat16, jnp.float16)  # dense weights of these dtypes are streamed as they are
@@ -167,20 +166,6 @@ def _weight_operands(w: Weight):
     row_bytes = arr.shape[2] * arr.dtype.itemsize
     arr = _pad_axis(arr, 2, -(-row_bytes // ROW_ALIGN) * ROW_ALIGN // arr.dtype.itemsize)
     return fmt, arr, scale, post.astype(jnp.float32)
-
-
-def row_exponent(row_max):
-    """e with row_max < 2**e (frexp's exponent) for row maxima >= 0, clamped to [-126, 126] so that
-    2**e and 2**-e are both normal float32: zero, subnormal and non-finite maxima need no special case
-    (a zero or subnormal row scales by 2**126, an inf/NaN row stays non-finite). A few integer ops on the
-    float's bits, where jnp.frexp's special cases expand to ~50 HLO ops a call."""
-    biased = lax.bitcast_convert_type(row_max.astype(jnp.float32), jnp.int32) >> 23
-    return jnp.clip(biased - 126, -126, 126)
-
-
-def pow2(e):
-    """2.0**e as float32 for int32 e in [-126, 127], built from its bits (x * pow2(e) is ldexp(x, e))."""
-    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
 def _activations(xb, fmt, w_dtype, bf16_operands: bool):

@@ -46,6 +46,20 @@ _MIN_BLOCK_SCALE = 2.0**-9  # smallest e4m3 subnormal: activation block scales n
 E2M1_UNIT = 2.0**-6
 
 
+def row_exponent(row_max):
+    """e with row_max < 2**e (frexp's exponent) for row maxima >= 0, clamped to [-126, 126] so that
+    2**e and 2**-e are both normal float32: zero, subnormal and non-finite maxima need no special case
+    (a zero or subnormal row scales by 2**126, an inf/NaN row stays non-finite). A few integer ops on the
+    float's bits, where jnp.frexp's special cases expand to ~50 HLO ops a call."""
+    biased = lax.bitcast_convert_type(row_max.astype(jnp.float32), jnp.int32) >> 23
+    return jnp.clip(biased - 126, -126, 126)
+
+
+def pow2(e):
+    """2.0**e as float32 for int32 e in [-126, 127], built from its bits (x * pow2(e) is ldexp(x, e))."""
+    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
 def e2m1_pair_to_f16(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """uint8 [...] of two e2m1 codes -> (low-nibble, high-nibble) values times E2M1_UNIT, exact float16.
 
