@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 import nemoh
 from nemoh import CheckpointError, ConfigError, NemotronHConfig
-from nemoh.layers.ssd import ssd_chunked, ssd_reference
+from nemoh.layers.ssd import _segsum, ssd_chunked, ssd_reference
 
 DATA = Path(__file__).parent / "data"
 BASE = {"vocab_size": 64, "hidden_size": 32, "hybrid_override_pattern": "M*E-", "mamba_num_heads": 4,
@@ -104,6 +105,34 @@ def test_chunked_ssd_equals_recurrence(T, Q, G, with_state):
     if T // 2:
         _, s_pad = ssd_chunked(x, dt0, A, B, C, D, Q, s0)
         np.testing.assert_allclose(np.asarray(s_pad), np.asarray(s_half), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("Q, scale, signed, spread", [(128, 0.3, False, 0), (128, 50.0, False, 0), (256, 5.0, False, 0),
+                                                 (128, 1.0, False, 6), (64, 3.0, True, 0), (4, 1.0, False, 0)])
+def test_segment_sums_within_two_ulps(Q, scale, signed, spread):
+    """The chunk's segment sums out[l, s] = sum of a over (s, l], built from prefix sums, against float64
+    sums: each within 2 ulps of its exact value (a floor of 2^-40 of the row's largest |a| aside, for
+    sums of a row's tiniest entries), -inf above the diagonal. Plain differences of fp32 prefix sums miss
+    this by the prefix sums' magnitude, and a sequential fp32 sum where signs cancel."""
+    rng = np.random.default_rng(Q + int(scale))
+    a = rng.normal(0, scale, (16, Q)) * 10.0 ** rng.integers(-spread, 1, (16, Q))
+    a = (a if signed else -np.abs(a)).astype(np.float32)
+    got = np.asarray(_segsum(jnp.asarray(a)), np.float64)
+    prefix = np.cumsum(a.astype(np.float64), axis=-1)
+    exact = prefix[:, :, None] - prefix[:, None, :]
+    lower = np.tril(np.ones((Q, Q), bool))
+    assert np.all(got[:, ~lower] == -np.inf)
+    bound = 2.0**-22 * np.abs(exact) + 2.0**-40 * np.abs(a).max(axis=1)[:, None, None]
+    assert np.all(np.abs(got - exact)[:, lower] <= bound[:, lower])
+    # no Q-long sum per entry: the cumulative sums run over [..., Q] only
+    def equations(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from equations(sub)
+
+    sums = [e for e in equations(jax.make_jaxpr(_segsum)(jnp.asarray(a)).jaxpr) if e.primitive.name == "cumsum"]
+    assert sums and all(e.invars[0].aval.shape == a.shape for e in sums)
 
 
 @pytest.mark.parametrize("chunks", [16, 38])
