@@ -555,11 +555,11 @@ def test_one_token_experts_share_the_activation_preparation(fmt):
     assert len(row_maxima) == 3, row_maxima
 
 
-@pytest.mark.parametrize("count_max_pairs", [moe_ops.COUNT_MAX_PAIRS, 0])
-def test_route_blocks_covers_every_pair_once(count_max_pairs, monkeypatch):
-    """Both ways of placing pairs (counting earlier pairs of the same expert, a decode batch's; a stable
-    sort, larger batches') fill every block slot in pair order."""
-    monkeypatch.setattr(moe_ops, "COUNT_MAX_PAIRS", count_max_pairs)
+@pytest.mark.parametrize("block_pairs", [moe_ops.COUNT_BLOCK_PAIRS, 8, 5])
+def test_route_blocks_covers_every_pair_once(block_pairs, monkeypatch):
+    """Pairs counted in one block (a decode batch's) or in several (larger batches': earlier blocks'
+    counts added, 5 leaving a partial last block) fill every block slot in pair order."""
+    monkeypatch.setattr(moe_ops, "COUNT_BLOCK_PAIRS", block_pairs)
     rng = _rng(4)
     idx = jnp.asarray(rng.integers(0, 7, (9, 4)).astype(np.int32))
     slot_pair, block_expert, pair_slot = map(np.asarray, jax.jit(route_blocks, static_argnums=(1, 2))(idx, 7, 8))
@@ -576,17 +576,22 @@ def test_route_blocks_covers_every_pair_once(count_max_pairs, monkeypatch):
         np.testing.assert_array_equal(slot_pair[slots][slot_pair[slots] < pairs], np.nonzero(flat == e)[0])
 
 
-def test_route_blocks_ways_agree():
-    """The counting and the sorting placement give the same blocks, left-out pairs included."""
+def test_route_blocks_counted_in_blocks_agree():
+    """Counting in one block and in blocks of 8 or 7 pairs (earlier blocks' counts added) give the same
+    blocks, left-out pairs included, and each pair's slot follows a stable sort by expert."""
     rng = _rng(17)
     idx = jnp.asarray(np.stack([rng.choice(11, 3, replace=False) for _ in range(40)]).astype(np.int32))
     valid = jnp.asarray(rng.random((40, 3)) < 0.7)
-    counted = route_blocks(idx, 11, 8, valid)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe_ops, "COUNT_MAX_PAIRS", 0)
-        sorted_ = route_blocks(idx, 11, 8, valid)
-    for a, b in zip(counted, sorted_):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    whole = route_blocks(idx, 11, 8, valid)
+    for block_pairs in (8, 7):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(moe_ops, "COUNT_BLOCK_PAIRS", block_pairs)
+            blocked = route_blocks(idx, 11, 8, valid)
+        for a, b in zip(whole, blocked):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    flat = np.where(np.asarray(valid).reshape(-1), np.asarray(idx).reshape(-1), 11)
+    kept = np.argsort(flat, kind="stable")[: int(np.asarray(valid).sum())]
+    np.testing.assert_array_equal(np.argsort(np.asarray(whole[2])[kept], kind="stable"), np.arange(kept.size))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
@@ -849,15 +854,17 @@ def test_decode_size_blocks_split_k_for_more_ctas(monkeypatch):
     assert splits(8, Tiling(decode_ctas_per_sm=4)) == 4 and splits(32, Tiling(ctas_per_sm=8)) == 7
 
 
-def test_moe_experts_many_tokens_have_no_loop():
+@pytest.mark.parametrize("tokens", [32, 300])
+def test_moe_experts_many_tokens_have_no_loop(tokens):
     """The routed-experts op for a batch of tokens (expert blocks built by route_blocks) traces to no
     while loop: inside the decode step a loop splits the step's CUDA graph and runs its iterations one
     by one (the binary search of jnp.searchsorted's default method was one). Nor to a sort: grouping the
-    pairs by expert is a compare-and-count, where an argsort was a sort kernel on the critical path."""
+    pairs by expert is a compare-and-count, in one block of pairs (a decode batch's 64) or several (600,
+    a prefill's), where an argsort was a sort kernel on the critical path."""
     rng = _rng(9)
     up, down = WEIGHTS["nvfp4"](rng, (8,), 64, 128), WEIGHTS["nvfp4"](rng, (8,), 128, 64)
-    idx = jnp.asarray(rng.integers(0, 8, (32, 2)).astype(np.int32))
-    args = (_x(rng, (32, 128), jnp.bfloat16), idx, jnp.ones((32, 2), jnp.float32), up, down)
+    idx = jnp.asarray(rng.integers(0, 8, (tokens, 2)).astype(np.int32))
+    args = (_x(rng, (tokens, 128), jnp.bfloat16), idx, jnp.ones((tokens, 2), jnp.float32), up, down)
     jaxpr = jax.make_jaxpr(lambda *a: moe_experts(*a, impl="pallas"))(*args)
 
     kernel_calls = {"pallas_call", "mpmd_map"}  # how plgpu.kernel appears; loops inside a kernel are fine
