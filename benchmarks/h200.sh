@@ -17,7 +17,7 @@
 #   bash benchmarks/h200.sh kernel-tests  # kernel tests of tests/test_kernels.py on the GPU (Mosaic, PTX decode,
 #                                     # bf16 operands, several weight tiles a CTA, rows read without a padded copy,
 #                                     # NVFP4 and FP8 through warp-level mma, lane-level lowering, partial sums of
-#                                     # the real rows only, plain activation loads)
+#                                     # the real rows only, plain activation loads, relu^2 in the experts' kernel)
 #   bash benchmarks/h200.sh xla-flags [FLAGS...]  # NANO_NVFP4 batch-1 decode, ungated, as it is and under each set of
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile [TILING]  # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as
@@ -33,7 +33,7 @@
 #                                     # default tiling against others (default: $CANDIDATE_TILINGS) in one
 #                                     # process, calls interleaved, every variant gated (benchmarks/ab.py)
 #   bash benchmarks/h200.sh prefill-variants [TILINGS] [LAYOUT]  # the same for prefill 1x2048 and 8x512
-#                                     # (default: two weight tiles a CTA; NANO_NVFP4)
+#                                     # (default: $CANDIDATE_PREFILL_TILINGS; NANO_NVFP4)
 #   bash benchmarks/h200.sh xla-variants [SETS] [SAMPLING]  # NANO_NVFP4 decode batches 1,32: XLA options compiled
 #                                     # into the decode program against the engine's own, in one process
 #                                     # (default: $CANDIDATE_XLA, none now: name SETS); greedy,
@@ -82,7 +82,7 @@ leg() { local limit=$1; shift; mkdir -p "$OUT"
 # the kernel tests that a GPU runs differently from the interpreter (Mosaic, PTX, mma, TMA fills)
 # (a second argument: another -k selection)
 kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
-                   -k "${2:-tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane or store_real_rows}" \
+                   -k "${2:-tiny or test_linear or single_token or bf16_operands or several_weight_tiles or unpadded or mma or lane or store_real_rows or fused_relu2}" \
                    2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
@@ -92,8 +92,9 @@ CANDIDATE_TILINGS="stagger_x_loads=false"  # mma's activation loads without Mosa
                       # adopted: the warpgroup-level lowering (`lane_lowering=false`: the GEMV's SASS loop is the
                       # same, decode x0.989 and x1.016 in two A/Bs, run 23); 4 or 16 decode CTAs an SM (the
                       # GEMV slower than at 8, run 22)
-CANDIDATE_PREFILL_TILINGS="weight_tiles=2"  # two tiles a CTA: x0.977 and x0.968 of three on the H200 (run 24),
-                      # three beat two on the H100 (run 12); 128-row expert blocks were x1.1 slower (run 24)
+CANDIDATE_PREFILL_TILINGS="weight_tiles=2;fused_relu2=true"  # two tiles a CTA: x0.977 and x0.968 of three on
+                      # the H200 (run 24), three beat two on the H100 (run 12); 128-row expert blocks were x1.1
+                      # slower (run 24). The experts' relu^2 in the up projection's kernel: untimed
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
 # adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)

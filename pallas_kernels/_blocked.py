@@ -103,7 +103,13 @@ class Tiling:
     the NVFP4 GEMV's 271 instructions a K step of 8 mma, Nsight Compute, run 23 in docs/BENCHMARKS.md).
     Off, the loads are plain: no selects, two lanes of a wavefront sharing a bank on each 8-byte load.
     Which costs less in these instruction-bound kernels is for a GPU to say: untimed, on (Mosaic's
-    default) until a gated A/B shows otherwise."""
+    default) until a gated A/B shows otherwise.
+
+    fused_relu2: an MoE's up projection stores relu(y)^2 in the activations' dtype from the kernel where
+    it runs one split under wgmma (prefill blocks), instead of float32 products that an XLA fusion
+    squares and converts: half the bytes the kernel writes and no pass over them (on the H200 that pass
+    took 53 us a Nano MoE layer in a 2,048-token prefill, run 24). Same values (CPU test against the XLA
+    path). Untimed: off until a gated A/B on the GPU."""
 
     tk: int | None = None
     stages: int = 4
@@ -121,6 +127,7 @@ class Tiling:
     store_real_rows: bool = True
     mma_scale_pairs: bool = True
     stagger_x_loads: bool = True
+    fused_relu2: bool = False
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
@@ -222,11 +229,13 @@ def row_blocks(x, tm: int, tiling: Tiling | None = None):
     return jnp.pad(x, ((0, blocks * tm - m), (0, 0))).reshape(blocks, tm, k)
 
 
-def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, tm: int | None = None):
+def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, tm: int | None = None,
+                   relu2_dtype=None):
     """y[b] = xb[b] @ dequant(W[eid[b]])^T, float32 [B, R, N] for B = len(eid); xb [B, rows, K], or
     [1, rows, K] for rows every block reads; tm (default: xb's rows) may exceed xb's rows, which the
     kernel then extends with zero rows. R = tm, or xb's rows under tiling.store_real_rows (the rows past
-    them are zeros). impl is "pallas" or "interpret"."""
+    them are zeros). relu2_dtype: relu(y)^2 in that dtype instead (an MoE's hidden activations), from the
+    kernel itself where tiling.fused_relu2 and the plan allow it. impl is "pallas" or "interpret"."""
     tiling = tiling or DEFAULT_TILING
     _, rows, k = xb.shape
     tm = tm or rows
@@ -241,13 +250,19 @@ def blocked_linear(xb, eid, w: Weight, impl: str, tiling: Tiling | None = None, 
     scale_pairs = tiling.mma_scale_pairs and mma and hasattr(fmt, "mma_scale_layout")
     if k % X_TILE:  # else the TMA engine zero-fills the K tail: no padded copy of x
         x = _pad_axis(x, 2, k_total)
-    out = weight_gemm(x, arr, scale, eid, fmt=fmt, tk=tk, splits=splits,
+    fused = (relu2_dtype is not None and tiling.fused_relu2 and splits == 1 and not mma and row_exp is None
+             and x.dtype == relu2_dtype)
+    out = weight_gemm(x, arr, scale, eid, post if fused else None, fmt=fmt, tk=tk, splits=splits,
                       stages=tiling.stages, stage_a=tiling.stage_a, ptx=tiling.ptx, tiles=tiles, tm=tm, mma=mma,
                       scale_pairs=scale_pairs, stagger_x=tiling.stagger_x_loads or not mma, lane=tiling.lane_lowering,
-                      out_rows=rows if tiling.store_real_rows else tm,
+                      out_rows=rows if tiling.store_real_rows else tm, relu2=fused,
                       interpret=interpret_params(impl))
     if impl == "interpret" and not isinstance(out, jax.core.Tracer):
         # The interpreter's callbacks dispatch jnp ops; an eager op queued behind them deadlocks.
         out = jax.block_until_ready(out)
+    if fused:
+        return out[0, :, :, :n]
     y = out.sum(axis=0)[:, :, :n] * post[eid][:, None, None]
-    return y if row_exp is None else y * pow2(_pad_axis(row_exp, 1, y.shape[1]))[..., None]  # rows past xb's: zeros
+    if row_exp is not None:
+        y = y * pow2(_pad_axis(row_exp, 1, y.shape[1]))[..., None]  # rows past xb's: zeros
+    return y if relu2_dtype is None else jnp.square(jnp.maximum(y, 0.0)).astype(relu2_dtype)

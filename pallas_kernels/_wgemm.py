@@ -18,7 +18,7 @@ class with its interface):
   scale  [E, K/16, N] block scales streamed with the codes (formats with ELEMENTS_PER_SCALE_ROW), or None
 Each K step streams a (64, tk) weight tile, its (tk / ELEMENTS_PER_SCALE_ROW, 64) scale tile and a
 (tm, tk * K_PER_ELEMENT) activation tile through one TMA pipeline. Per-tensor scales are applied by the
-caller on the f32 output.
+caller on the f32 output, or by the kernel where it stores an MoE's hidden activations (relu2).
 
 Shape contract (the callers pad): N % 64 == 0; x's K extent is at most splits * steps * tk *
 K_PER_ELEMENT and a multiple of X_TILE elements, or exactly that; w's K extent may be shorter too but
@@ -132,10 +132,12 @@ def mma_fits(fmt, x_dtype, tm: int, tiles: int, tk: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "tk", "splits", "stages", "stage_a", "ptx", "tiles", "tm",
-                                             "mma", "scale_pairs", "stagger_x", "lane", "out_rows", "interpret"))
-def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
+                                             "mma", "scale_pairs", "stagger_x", "lane", "out_rows", "relu2",
+                                             "interpret"))
+def weight_gemm(x, w, scale, eid, post=None, *, fmt, tk: int, splits: int, stages: int, stage_a: bool = False,
                 ptx: bool = False, tiles: int = 1, tm: int | None = None, mma: bool = False, scale_pairs: bool = False,
-                stagger_x: bool = True, lane: bool = False, out_rows: int | None = None, interpret=None):
+                stagger_x: bool = True, lane: bool = False, out_rows: int | None = None, relu2: bool = False,
+                interpret=None):
     """Blocked product, float32 [splits, B, out_rows, N] (see module docstring); B = len(eid), and x
     [1, rows, K] is every block's rows (one token's experts all read the same row). tm: rows of a block
     (default: x's); x may hold fewer, whose TMA loads read zeros past its last row (no padded copy of a
@@ -149,7 +151,9 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     stagger_x: under mma, x's SMEM loads take Mosaic's bank-conflict-free plan (lanes in two groups loading
     in staggered order, their registers put back with selects), else the plain one. lane: Mosaic
     GPU lowers the kernel at lane level (LoweringSemantics.Lane) instead of warpgroup level, skipping its
-    layout inference (module docstring)."""
+    layout inference (module docstring). relu2: the stored product is relu(acc * post[eid[b]])^2 in x's
+    dtype (post: float32 [E], the weight's per-tensor scale), an MoE's hidden activations as the down
+    projection reads them, instead of float32 partial sums; one split, wgmma only."""
     (num_blocks,), (x_blocks, rows, kx) = eid.shape, x.shape
     tm = tm or rows
     out_rows = out_rows or tm
@@ -177,18 +181,27 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
     if scale_pairs and not (mma and n_scale and hasattr(fmt, "mma_scale_layout")):
         raise ValueError(f"scale_pairs: block scales loaded for warp-level mma by the format's mma_scale_layout; "
                          f"got {fmt}, mma={mma}")
+    if relu2 and (splits != 1 or mma or post is None):
+        raise ValueError(f"relu2 stores whole products scaled by post under wgmma: got splits={splits}, mma={mma}, "
+                         f"post={'given' if post is not None else None}")
     if mma and (interpret is not None or not mma_fits(fmt, mma_dtype, tm, tiles, tk)):
         raise ValueError(f"warp-level mma takes what mma_fits accepts, on the GPU: got {fmt}, {mma_dtype}, tm={tm}, "
                          f"tiles={tiles}, tk={tk}, interpret={interpret is not None}")
 
+    out_dtype = mma_dtype if relu2 else jnp.float32
+
     def wgemm(eid_ref, x_ref, w_ref, *refs):
         s_ref, refs = (refs[0], refs[1:]) if n_scale else (None, refs)
+        post_ref, refs = (refs[0], refs[1:]) if relu2 else (None, refs)
         o_ref, *scratch = refs
         a_smem = scratch.pop(0) if stage_a else None
         o_smem = scratch.pop(0) if out_rows < tm else None
 
         def store_out(acc, n0):
             """acc [64, tm] (a layout whose transposed store Mosaic takes) -> out[s, b, :, n0:n0+64]^T."""
+            if relu2:
+                acc = jnp.maximum(acc * post_ref[e], 0.0)
+                acc = (acc * acc).astype(out_dtype)
             if o_smem is None:
                 o_ref.at[s, b, :, pl.ds(n0, TN)].T[...] = acc
                 return
@@ -266,12 +279,12 @@ def weight_gemm(x, w, scale, eid, *, fmt, tk: int, splits: int, stages: int, sta
 
     kernel = plgpu.kernel(
         wgemm,
-        out_type=jax.ShapeDtypeStruct((splits, num_blocks, out_rows, n), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, num_blocks, out_rows, n), out_dtype),
         grid=(-(-n // tn), num_blocks, splits),
         grid_names=("n", "b", "s"),
         scratch_types=([plgpu.SMEM((TN, tkx), mma_dtype, transforms=_smem_transforms(mma_dtype, tkx))] if stage_a else [])
-        + ([plgpu.SMEM((tm, TN), jnp.float32)] if out_rows < tm else []),
+        + ([plgpu.SMEM((tm, TN), out_dtype)] if out_rows < tm else []),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane) if lane else None,
     )
-    return kernel(eid, x, w, *((scale,) if n_scale else ()))
+    return kernel(eid, x, w, *((scale,) if n_scale else ()), *((post,) if relu2 else ()))

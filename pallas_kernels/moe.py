@@ -144,7 +144,7 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
         slot_token = slot_pair // k  # T for empty slots: past the end, they read zero rows
         xb = x.at[slot_token].get(mode="fill", fill_value=0).reshape(-1, tm, x.shape[1])
     xb, up = _quantized_blocks(xb, block_expert, up)
-    h = jnp.square(jnp.maximum(blocked_linear(xb, block_expert, up, impl, tiling, tm), 0.0)).astype(x.dtype)
+    h = blocked_linear(xb, block_expert, up, impl, tiling, tm, relu2_dtype=x.dtype)
     h, down = _quantized_blocks(h, block_expert, down)
     o = blocked_linear(h, block_expert, down, impl, tiling, tm)
     # A block's product may hold fewer than tm rows (Tiling.store_real_rows: a single token's one row), each

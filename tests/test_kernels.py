@@ -630,7 +630,8 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
     for tokens, tiling in ((300, None), (300, Tiling(moe_block_rows=128)), (32, Tiling(decode_weight_tiles=2)),
                            (300, Tiling(lane_lowering=False)), (32, Tiling(lane_lowering=False)),
                            (1, Tiling(lane_lowering=False)), (1, Tiling(lane_lowering=False, mma_sync=False)),
-                           (100, Tiling(lane_lowering=False, bf16_operands=False))):
+                           (100, Tiling(lane_lowering=False, bf16_operands=False)), (300, Tiling(fused_relu2=True)),
+                           (300, Tiling(fused_relu2=True, lane_lowering=False))):
         experts(tokens, tiling)
 
 
@@ -908,6 +909,27 @@ def test_moe_experts_prefill_blocks(fmt, rows, sms, monkeypatch):
     _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl=IMPL, tiling=tiling), ref, 8e-3,
            f"moe prefill {fmt} {rows}-row blocks vs f64")
     _check(moe_experts(x, jnp.asarray(idx), weight, up, down, impl="xla"), ref, 5e-3, f"moe prefill xla {fmt}")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
+def test_fused_relu2_same_values(fmt, monkeypatch):
+    """Tiling.fused_relu2: prefill blocks' up projection stores relu(y)^2 in the activations' dtype from the
+    kernel (one split, wgmma): the same MoE output, bit for bit, as relu^2 in XLA after float32 products."""
+    monkeypatch.setattr(_blocked, "num_sms", lambda: 1)  # the grid fills the GPU: one split
+    fused = []
+    gemm = _blocked.weight_gemm
+    monkeypatch.setattr(_blocked, "weight_gemm", lambda *a, **k: fused.append(k["relu2"]) or gemm(*a, **k))
+    rng = _rng(12)
+    tokens = 40
+    idx = jnp.asarray(np.stack([rng.permutation(E)[:TOPK] for _ in range(tokens)]).astype(np.int32))
+    x = _x(rng, (tokens, H), jnp.bfloat16)
+    weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, TOPK)).astype(np.float32))
+    up, down = WEIGHTS[fmt](rng, (E,), F, H), WEIGHTS[fmt](rng, (E,), H, F)
+    run = lambda tiling: np.asarray(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=tiling))
+    plain = run(Tiling())
+    assert fused == [False, False]
+    np.testing.assert_array_equal(run(Tiling(fused_relu2=True)), plain)
+    assert fused[2:] == [True, False]  # the up projection fused, the down one as it was
 
 
 @pytest.mark.parametrize("tokens", [1, 5])  # the one-token path and the sorted path
