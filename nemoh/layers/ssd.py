@@ -65,11 +65,11 @@ def _segsum(a: jax.Array) -> jax.Array:
     """a [..., Q] -> [..., Q, Q] with out[l, s] = sum_{s < j <= l} a[j] for s <= l, -inf above the diagonal.
 
     Differences of prefix sums over Q, none over Q x Q (a masked cumulative sum down each column costs a
-    Q-long sum an entry: on the GPU a reduce-window, ~150 us a Nano Mamba layer at 2,048 tokens). Plain
-    differences of fp32 prefix sums would lose bits to the sums' magnitude, so a splits exactly into
-    a1 + a2 + a3: a1 and a2 multiples of quanta 2^(e-b) and 2^(e-2b) (2^e above the row's largest |a|) of at
-    most b bits each, whose prefix sums and their differences are exact in fp32 (Q * 2^b < 2^24), and a
-    remainder a3 below 2^(e-2b-1). Each entry is then within about an ulp of the exact sum, closer than a
+    Q-long sum an entry: on the GPU a reduce-window, in a fusion of ~150 us a Nano Mamba layer at 2,048
+    tokens). Plain differences of fp32 prefix sums would lose bits to the sums' magnitude, so a splits
+    exactly into a1 + a2 + a3: a1 and a2 multiples of quanta 2^(e-b) and 2^(e-2b) (2^e above the row's
+    largest |a|) of at most b bits each, whose prefix sums and their differences are exact in fp32
+    (Q * 2^b <= 2^23), and a remainder a3 below 2^(e-2b-1). Each entry is then within about an ulp of the exact sum, closer than a
     sequential fp32 cumsum gets.
     """
     Q = a.shape[-1]
