@@ -1,7 +1,7 @@
 """moe_experts: the routed-experts computation of a NemotronH MoE layer, reading only selected experts.
 
-Token-expert pairs are grouped by expert into blocks of `tm` rows (XLA, tiny; a single token gets one
-block per expert without the sort, every block reading the token's row); each kernel CTA indexes its
+Token-expert pairs are grouped by expert into blocks of `tm` rows (XLA, tiny, by counting; a single token
+gets one block per expert without that, every block reading the token's row); each kernel CTA indexes its
 block's expert from the block->expert table, so only the selected experts' weights are ever fetched,
 in their stored (packed) form: no gather of all experts, no dequantised copy, no dense pass over E as
 jax.lax.ragged_dot does. The weighted combine gathers each token's k expert rows and sums them (fp32,

@@ -932,7 +932,7 @@ def test_fused_relu2_same_values(fmt, monkeypatch):
     assert fused[2:] == [True, False]  # the up projection fused, the down one as it was
 
 
-@pytest.mark.parametrize("tokens", [1, 5])  # the one-token path and the sorted path
+@pytest.mark.parametrize("tokens", [1, 5])  # the one-token path and the path of blocks grouped by expert
 def test_moe_left_out_tokens_read_no_experts(tokens):
     """Tokens with valid False (padding, finished slots) get zero and read no expert weights: an expert
     only they select may hold NaN."""
