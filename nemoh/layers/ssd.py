@@ -69,8 +69,8 @@ def _segsum(a: jax.Array) -> jax.Array:
     tokens). Plain differences of fp32 prefix sums would lose bits to the sums' magnitude, so a splits
     exactly into a1 + a2 + a3: a1 and a2 multiples of quanta 2^(e-b) and 2^(e-2b) (2^e above the row's
     largest |a|) of at most b bits each, whose prefix sums and their differences are exact in fp32
-    (Q * 2^b <= 2^23), and a remainder a3 below 2^(e-2b-1). Each entry is then within about an ulp of the exact sum, closer than a
-    sequential fp32 cumsum gets.
+    (Q * 2^b <= 2^23), and a remainder a3 below 2^(e-2b-1). Each entry is then within about an ulp of the
+    exact sum, closer than a sequential fp32 cumsum gets.
     """
     Q = a.shape[-1]
     b = 23 - max(Q - 1, 1).bit_length()  # Q * 2^b <= 2^23: the quanta's prefix sums stay exact
