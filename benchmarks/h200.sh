@@ -86,15 +86,14 @@ kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x
                    2>&1 \
                    | tail -3; }
 # kernel variants not yet the default, each timed against it by `variants`, `prefill-variants`, `kernel-variants`
-CANDIDATE_TILINGS="stagger_x_loads=false"  # mma's activation loads without Mosaic's staggered plan (its
-                      # selects are 16 of the NVFP4 GEMV's 271 instructions a K step; plain loads share banks):
-                      # untimed, `lever` runs its GPU test, GEMV fit and gated A/B in one call. Measured and not
-                      # adopted: the warpgroup-level lowering (`lane_lowering=false`: the GEMV's SASS loop is the
-                      # same, decode x0.989 and x1.016 in two A/Bs, run 23); 4 or 16 decode CTAs an SM (the
-                      # GEMV slower than at 8, run 22)
-CANDIDATE_PREFILL_TILINGS="weight_tiles=2;fused_relu2=true"  # two tiles a CTA: x0.977 and x0.968 of three on
-                      # the H200 (run 24), three beat two on the H100 (run 12); 128-row expert blocks were x1.1
-                      # slower (run 24). The experts' relu^2 in the up projection's kernel: untimed
+CANDIDATE_TILINGS=""  # none pending: name TILINGS. Measured and adopted: plain activation loads under mma
+                      # (`stagger_x_loads=false`, decode x0.992 at batch 1, run 25). Measured and not adopted:
+                      # the warpgroup-level lowering (`lane_lowering=false`: the GEMV's SASS loop is the same,
+                      # decode x0.989 and x1.016 in two A/Bs, run 23); 4 or 16 decode CTAs an SM (the GEMV
+                      # slower than at 8, run 22)
+CANDIDATE_PREFILL_TILINGS="weight_tiles=2"  # two tiles a CTA: x0.977 and x0.968 of three on the H200 (run 24),
+                      # three beat two on the H100 (run 12); 128-row expert blocks were x1.1 slower (run 24).
+                      # Adopted: the experts' relu^2 in the up projection's kernel (x0.971, run 25)
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
 # adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)

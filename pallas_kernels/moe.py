@@ -10,9 +10,10 @@ uses 8-row blocks; prefill, with many tokens per expert, blocks of up to 64 rows
 weights are streamed once per 64 of its tokens (128-row blocks measured slower on the H200: prefill
 MoE is compute-bound there, and wider blocks waste more rows on the last, partly filled block); a
 prefill block's CTAs multiply it with three 64-row tiles of its expert's weight each, where the grid
-still fills the GPU (pallas_kernels._blocked.Tiling). Two kernel launches (up, down) with relu^2 and
-the weighted combine in XLA between and after. The hidden
-activation relu(up x)^2 enters the down projection in x.dtype, as in the reference model. Experts with
+still fills the GPU (pallas_kernels._blocked.Tiling). Two kernel launches (up, down), the weighted
+combine in XLA after them; relu^2 is applied in the up projection's kernel where it runs one split under
+wgmma (prefill blocks, Tiling.fused_relu2), else in XLA between the two. The hidden activation relu(up
+x)^2 enters the down projection in x.dtype, as in the reference model. Experts with
 input scales (W8A8 / W4A4) quantise each block's rows with the block expert's input_scale to exact
 codes (pallas_kernels.linear), which the weight-only kernel reads with input_scale folded into the
 expert's output scale.

@@ -345,9 +345,9 @@ def test_mma_sync_products(fmt):
 def test_mma_load_options_same_products(fmt, option, value):
     """Tiling options of what warp-level mma loads give the other setting's products bit for bit on the
     GPU: mma_scale_pairs (the default; NVFP4 block scales a chunk's pair at a time, each lane its own
-    block's, against every row loaded whole and picked per lane) and stagger_x_loads=False (activations by
-    the plain load plan, against Mosaic's staggered one); 1, 5 and 8 rows, a split-K plan, one and three
-    tokens' experts."""
+    block's, against every row loaded whole and picked per lane) and stagger_x_loads=False (the default;
+    activations by the plain load plan, against Mosaic's staggered one); 1, 5 and 8 rows, a split-K plan,
+    one and three tokens' experts."""
     rng = _rng(29)
     w = WEIGHTS[fmt](rng, (), 192, 640)
     up, down = WEIGHTS[fmt](rng, (4,), 192, 640), WEIGHTS[fmt](rng, (4,), 640, 192)
@@ -360,8 +360,9 @@ def test_mma_load_options_same_products(fmt, option, value):
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_stagger_x_loads_picks_the_load_plan(fmt, monkeypatch):
     """What Tiling.stagger_x_loads is: lowered for the GPU, a decode row's kernel loads its activations for
-    warp-level mma by Mosaic GPU's staggered (bank-conflict-free) plan by default, and off it plans no
-    activation load at all (the plain one); the weight codes' load plan is the same either way."""
+    warp-level mma by Mosaic GPU's staggered (bank-conflict-free) plan when it is on, and off (the
+    default) it plans no activation load at all (the plain one); the weight codes' load plan is the same
+    either way."""
     from jax import export
     from jax.experimental.mosaic.gpu import fragmented_array
 
@@ -375,8 +376,8 @@ def test_stagger_x_loads_picks_the_load_plan(fmt, monkeypatch):
     monkeypatch.setattr(fragmented_array, "plan_tiled_transfer", recorded)
     rng = _rng(31)
     w, x = WEIGHTS[fmt](rng, (), 128, 640), _x(rng, (1, 640), jnp.bfloat16)
-    for tiling, want in ((Tiling(), ["TrivialTransferPlan", "StaggeredTransferPlan"]),
-                         (Tiling(stagger_x_loads=False), ["TrivialTransferPlan"])):
+    for tiling, want in ((Tiling(stagger_x_loads=True), ["TrivialTransferPlan", "StaggeredTransferPlan"]),
+                         (Tiling(), ["TrivialTransferPlan"])):
         plans.clear()
         export.export(jax.jit(lambda x, w: linear(x, w, impl="pallas", tiling=tiling)), platforms=["cuda"])(x, w)
         assert sorted(plans) == sorted(want), (tiling.stagger_x_loads, plans)
@@ -619,8 +620,8 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
                            (100, Tiling(bf16_operands=False)), (1, Tiling(unpadded_rows=False)), (3, None),
                            (1, Tiling(mma_sync=False)), (3, Tiling(mma_sync=False)), (1, Tiling(store_real_rows=False)),
                            (1, Tiling(store_real_rows=False, mma_sync=False)), (1, Tiling(mma_scale_pairs=False)),
-                           (3, Tiling(mma_scale_pairs=False)), (1, Tiling(stagger_x_loads=False)),
-                           (3, Tiling(stagger_x_loads=False))):
+                           (3, Tiling(mma_scale_pairs=False)), (1, Tiling(stagger_x_loads=True)),
+                           (3, Tiling(stagger_x_loads=True))):
         experts(tokens, tiling)
     # on one SM every grid fills the GPU, so the weight tiles a CTA are taken: the default three with
     # 128-row blocks is the largest pipeline (FP8: 224 KiB of the 227 KiB of shared memory)
@@ -630,8 +631,7 @@ def test_kernels_lower_for_the_gpu(fmt, monkeypatch):
     for tokens, tiling in ((300, None), (300, Tiling(moe_block_rows=128)), (32, Tiling(decode_weight_tiles=2)),
                            (300, Tiling(lane_lowering=False)), (32, Tiling(lane_lowering=False)),
                            (1, Tiling(lane_lowering=False)), (1, Tiling(lane_lowering=False, mma_sync=False)),
-                           (100, Tiling(lane_lowering=False, bf16_operands=False)), (300, Tiling(fused_relu2=True)),
-                           (300, Tiling(fused_relu2=True, lane_lowering=False))):
+                           (100, Tiling(lane_lowering=False, bf16_operands=False)), (300, Tiling(fused_relu2=False))):
         experts(tokens, tiling)
 
 
@@ -913,8 +913,9 @@ def test_moe_experts_prefill_blocks(fmt, rows, sms, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
 def test_fused_relu2_same_values(fmt, monkeypatch):
-    """Tiling.fused_relu2: prefill blocks' up projection stores relu(y)^2 in the activations' dtype from the
-    kernel (one split, wgmma): the same MoE output, bit for bit, as relu^2 in XLA after float32 products."""
+    """Tiling.fused_relu2 (the default): prefill blocks' up projection stores relu(y)^2 in the activations'
+    dtype from the kernel (one split, wgmma): the same MoE output, bit for bit, as relu^2 in XLA after
+    float32 products."""
     monkeypatch.setattr(_blocked, "num_sms", lambda: 1)  # the grid fills the GPU: one split
     fused = []
     gemm = _blocked.weight_gemm
@@ -926,9 +927,9 @@ def test_fused_relu2_same_values(fmt, monkeypatch):
     weight = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, TOPK)).astype(np.float32))
     up, down = WEIGHTS[fmt](rng, (E,), F, H), WEIGHTS[fmt](rng, (E,), H, F)
     run = lambda tiling: np.asarray(moe_experts(x, idx, weight, up, down, impl=IMPL, tiling=tiling))
-    plain = run(Tiling())
+    plain = run(Tiling(fused_relu2=False))
     assert fused == [False, False]
-    np.testing.assert_array_equal(run(Tiling(fused_relu2=True)), plain)
+    np.testing.assert_array_equal(run(Tiling()), plain)
     assert fused[2:] == [True, False]  # the up projection fused, the down one as it was
 
 
