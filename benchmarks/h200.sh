@@ -38,6 +38,8 @@
 #                                     # into the decode program against the engine's own, in one process
 #                                     # (default: $CANDIDATE_XLA, none now: name SETS); greedy,
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
+#   bash benchmarks/h200.sh prefill-xla-variants [SETS]  # the same for prefill 1x2048 and 8x512 (NANO_NVFP4;
+#                                     # default: $CANDIDATE_PREFILL_XLA)
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
 #   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: the decode blocks' kernel tests (mma
@@ -98,6 +100,10 @@ CANDIDATE_PREFILL_TILINGS="weight_tiles=2"  # two tiles a CTA: x0.977 and x0.968
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
 # adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)
 CANDIDATE_XLA=""
+# XLA's dot merger off (its size bound 0 MB): in a prefill Mamba layer it merges the SSD's two dots that
+# share C (C.B and C.states) into one over a concatenated operand, a float32 [16, 8, 640, 128] copy (56 us
+# a layer on the H100, run 25's trace) and two transposes of the merged product (~25 us each); untimed
+CANDIDATE_PREFILL_XLA="xla_gpu_dot_merger_threshold_mb=0"
 
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
@@ -165,6 +171,8 @@ case "${1:-}" in
       --tilings "${2:-$CANDIDATE_PREFILL_TILINGS}" --rounds 6 ;;
   xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches 1,32 --rounds 6 \
                   --xla-options "${2:-$CANDIDATE_XLA}" --sampling "${3:-}" ;;
+  prefill-xla-variants) leg 560 benchmarks/ab.py --layout NANO_NVFP4 --batches "" --prefill-shapes 1x2048,8x512 \
+                          --rounds 6 --xla-options "${2:-$CANDIDATE_PREFILL_XLA}" ;;
   sampler) leg 200 benchmarks/sampler.py --batches 1,8,32 ;;
   lever) kernel_tests 120 "mma or store_real_rows"  # the decode blocks' paths (a whole call: ab.py ~380 s)
          leg 120 benchmarks/kernels.py --only scaling --formats nvfp4,fp8 --tilings "${2:-$CANDIDATE_TILINGS}" \
