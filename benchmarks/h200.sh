@@ -102,7 +102,8 @@ CANDIDATE_PREFILL_TILINGS="weight_tiles=2"  # two tiles a CTA: x0.977 and x0.968
 CANDIDATE_XLA=""
 # XLA's dot merger off (its size bound 0 MB): in a prefill Mamba layer it merges the SSD's two dots that
 # share C (C.B and C.states) into one over a concatenated operand, a float32 [16, 8, 640, 128] copy (56 us
-# a layer on the H100, run 25's trace) and two transposes of the merged product (~25 us each); untimed
+# a layer on the H100, run 25's trace) and two transposes of the merged product (~25 us each); in an
+# attention layer it concatenates the q, k and v weights every call (bf16 [4608, 2688], 20 us); untimed
 CANDIDATE_PREFILL_XLA="xla_gpu_dot_merger_threshold_mb=0"
 
 case "${1:-}" in
