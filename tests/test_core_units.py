@@ -8,12 +8,12 @@ import shutil
 from pathlib import Path
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jaxpr_equations import equations
 from safetensors.numpy import load_file, save_file
 
 import nemoh
@@ -125,12 +125,6 @@ def test_segment_sums_within_two_ulps(Q, scale, signed, spread):
     bound = 2.0**-22 * np.abs(exact) + 2.0**-40 * np.abs(a).max(axis=1)[:, None, None]
     assert np.all(np.abs(got - exact)[:, lower] <= bound[:, lower])
     # no Q-long sum per entry: the cumulative sums run over [..., Q] only
-    def equations(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                yield from equations(sub)
-
     sums = [e for e in equations(jax.make_jaxpr(_segsum)(jnp.asarray(a)).jaxpr) if e.primitive.name == "cumsum"]
     assert sums and all(e.invars[0].aval.shape == a.shape for e in sums)
 
