@@ -3,14 +3,13 @@ compiled program per variant, timed calls interleaved A B B A ..., so drift and 
 processes (0.07-0.17 ms on the H100 at batch 1, as much as the levers tried) cancel out of the comparison.
 
     PYTHONPATH=. python3 benchmarks/ab.py [--layout NANO_NVFP4] [--batches 1,32] [--tilings "bf16_operands=false"]
-        [--xla-options "xla_gpu_enable_cub_radix_sort=false"] [--steps-per-trip 4] [--sampling "temperature=0.8,top_p=0.9"]
+        [--xla-options "xla_gpu_enable_cub_radix_sort=false"] [--sampling "temperature=0.8,top_p=0.9"]
         [--prefill-shapes 1x2048] [--steps 32] [--rounds 4] [--no-gate] [--out DIR]
 
 Variant A is the default tiling under the engine's own XLA options; each --tilings entry (';' between
 them; benchmarks/common.py's parse_tilings) and each --xla-options set (';' between sets, spaces between
 options; parse_xla_options) is a B, an option set being compiled into its programs on top of
-nemoh.engine.xla_options; each --steps-per-trip value is a B of the decode loop run that many steps a trip
-(steps must be a multiple), alone and with each option set. Per tiling: the token gate of benchmarks/checks.py under that tiling (fp32,
+nemoh.engine.xla_options. Per tiling: the token gate of benchmarks/checks.py under that tiling (fp32,
 reduced depth, real widths, against transformers) and the full-width layer check; an option set shares
 the default's (they compile without it), and what checks its program is the comparison of its timed
 calls' tokens with the default's. Per batch: random prompts prefilled once per variant (same prompts),
@@ -53,12 +52,11 @@ from pallas_kernels import _blocked
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One compared program: the kernel tiling it is traced under, XLA options compiled into it (on
-    top of the engine's own) and the decode loop's steps a trip (nemoh.engine.decode.STEPS_PER_TRIP)."""
+    """One compared program: the kernel tiling it is traced under and XLA options compiled into it (on
+    top of the engine's own)."""
 
     tiling: _blocked.Tiling = _blocked.Tiling()
     xla: tuple[tuple[str, object], ...] = ()
-    trip: int = 1
 
     def compile(self, lower):
         """lower() -> Lowered, traced under this tiling, compiled with these options."""
@@ -118,7 +116,7 @@ def compare_batch(params, variants: dict, batch: int, prompt: int, steps: int, r
                                 sampling=sampling,
                                 stop_ids=(), seed=0, cache=CacheSpec())
     finish_compiling()  # the decode program prefill compiles ahead is traced under the default tiling
-    programs = {name: v.compile(lambda: _decode.lower(params, carries[name], np.int32(steps), trip=v.trip))
+    programs = {name: v.compile(lambda: _decode.lower(params, carries[name], np.int32(steps)))
                 for name, v in variants.items()}
 
     def call(name):
@@ -163,7 +161,6 @@ def main() -> int:
     ap.add_argument("--tilings", default="", help='B variants, e.g. "bf16_operands=false;decode_ctas_per_sm=4"')
     ap.add_argument("--xla-options", default="",
                     help='B variants, e.g. "xla_gpu_enable_cub_radix_sort=false xla_gpu_enable_command_buffer=FUSION"')
-    ap.add_argument("--steps-per-trip", default="", help='B variants of the decode loop, e.g. "2,4"')
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
@@ -171,18 +168,13 @@ def main() -> int:
     ap.add_argument("--prefill-shapes", default="", help='prefill comparisons after the decode ones, e.g. "1x2048"')
     add_model_args(ap)
     args = ap.parse_args()
-    xla_sets = {s.strip(): tuple(o.items()) for s, o in zip(filter(None, (p.strip() for p in args.xla_options.split(";"))),
-                                                           parse_xla_options(args.xla_options))}
-    trips = [int(k) for k in args.steps_per_trip.split(",") if k]
-    if any(k < 1 or args.steps % k for k in trips):
-        ap.error(f"--steps-per-trip {args.steps_per_trip}: each must be >= 1 and divide --steps {args.steps}")
     variants = {"default": Variant(),
                 **{s: Variant(t) for s, t in zip(filter(None, args.tilings.split(";")), parse_tilings(args.tilings))},
-                **{s: Variant(xla=o) for s, o in xla_sets.items()},
-                **{f"steps_per_trip={k}{' ' + s if s else ''}": Variant(xla=o, trip=k)
-                   for k in trips for s, o in {"": (), **xla_sets}.items()}}
+                **{s.strip(): Variant(xla=tuple(o.items()))
+                   for s, o in zip(filter(None, (p.strip() for p in args.xla_options.split(";"))),
+                                   parse_xla_options(args.xla_options))}}
     if len(variants) < 2:
-        ap.error("name at least one B variant: --tilings, --xla-options or --steps-per-trip")
+        ap.error("name at least one B variant: --tilings or --xla-options")
     out_dir, work, cfg, _ = model_setup(args)
     device = jax.devices()[0].device_kind
     md = [f"device {device}, jax {jax.__version__}; model {cfg.pattern} ({cfg.num_layers} layers), bf16, "

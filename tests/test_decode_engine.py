@@ -128,26 +128,6 @@ def test_decode_program_compiles_beside_prefill(params):
     assert len(decode_threads) == 1 and decode_threads[0].startswith("nemoh-decode-compile"), decode_threads
 
 
-def test_trips_of_several_steps_equal_single_steps(params, monkeypatch):
-    """A loop trip of 4 steps leaves the carry as 4 trips of one would, slots finishing mid-trip included
-    (max_new 6 and a stop token); calls whose step count 4 does not divide run single-step trips."""
-    prompts = [np.array([5, 6, 7], np.int32), np.array([9, 1], np.int32), np.array([4], np.int32)]
-    first = prefill(params, prompts, max_new_tokens=20, sampling=Sampling(), stop_ids=(), seed=0, cache=CacheSpec())
-    first = decode(params, first, 20)  # its tokens give a stop id the middle row meets mid-trip
-    ends, counts = [], []
-    for trip in (1, 4):
-        carry = prefill(params, prompts, max_new_tokens=6, sampling=Sampling(), seed=0, cache=CacheSpec(),
-                        stop_ids=(int(np.asarray(first.sequences)[1, len(prompts[1]) + 2]),))
-        for _ in range(2):
-            carry = decode_mod._decode(params, carry, np.int32(4), trip=trip)
-            ends.append([np.asarray(leaf) for leaf in jax.tree.leaves(carry)])
-            counts.append(list(np.asarray(carry.num_generated)[:3]))
-    assert all(np.array_equal(a, b) for a, b in zip(ends[0] + ends[1], ends[2] + ends[3]))
-    assert counts == [[5, 3, 5], [6, 3, 6]] * 2  # prefill's token, then 4 steps a call
-    monkeypatch.setattr(decode_mod, "STEPS_PER_TRIP", 4)
-    assert [decode_mod.steps_per_trip(n) for n in (1, 4, 6, 32)] == [1, 4, 1, 4]
-
-
 def test_prefill_inputs_are_sent_by_the_call(params):
     """On one device a request's inputs stay host arrays until the compiled call sends them, in its own
     dispatch (a device_put a leaf cost ~0.1 ms of host time each)."""

@@ -66,32 +66,15 @@ def step(params: ModelParams, carry: DecodeCarry) -> DecodeCarry:
     )
 
 
-STEPS_PER_TRIP = 1
-"""Decode steps a trip of the loop: the loop's predicate (every slot finished? all steps done?) goes to
-the host and back once a trip, so a trip of several steps, an inner loop of a known trip count that XLA
-launches without a host round trip, spares the GPU that wait on all but one of them. Used for calls
-whose num_steps it divides (`steps_per_trip`); a slot finishing mid-trip is left untouched by the trip's
-later steps, which only cost their compute."""
-
-
-def steps_per_trip(num_steps: int) -> int:
-    """STEPS_PER_TRIP where it divides num_steps, else 1: a call never runs a step beyond num_steps."""
-    return STEPS_PER_TRIP if num_steps % STEPS_PER_TRIP == 0 else 1
-
-
-@partial(jax.jit, donate_argnums=(1,), static_argnames=("trip",), compiler_options=xla_options.ENGINE)
-def _decode(params: ModelParams, carry: DecodeCarry, num_steps: jax.Array, trip: int = 1) -> DecodeCarry:
-    """Up to num_steps steps (a multiple of trip), `trip` steps between two checks of the loop predicate."""
-    def one(c):
-        return constrain(step(params, c), c.placement)
-
+@partial(jax.jit, donate_argnums=(1,), compiler_options=xla_options.ENGINE)
+def _decode(params: ModelParams, carry: DecodeCarry, num_steps: jax.Array) -> DecodeCarry:
     def cond(state):
         i, c = state
         return (i < num_steps) & ~jnp.all(c.finished)
 
     def body(state):
         i, c = state
-        return i + trip, one(c) if trip == 1 else jax.lax.fori_loop(0, trip, lambda _, c: one(c), c)
+        return i + 1, constrain(step(params, c), c.placement)
 
     with tracing(carry.placement):
         return jax.lax.while_loop(cond, body, (jnp.int32(0), carry))[1]
@@ -106,8 +89,7 @@ def compile_ahead(params: ModelParams, carry_shape: DecodeCarry) -> None:
     their shardings) on a worker thread; XLA releases the GIL while it compiles. The executable lands
     in _decode's own cache (the later call reuses it; an already compiled shape costs milliseconds).
     A failure is left for the real call to raise."""
-    _compiling.append(_AHEAD.submit(
-        lambda: _decode.lower(params, carry_shape, np.int32(1), trip=STEPS_PER_TRIP).compile()))
+    _compiling.append(_AHEAD.submit(lambda: _decode.lower(params, carry_shape, np.int32(1)).compile()))
 
 
 def finish_compiling() -> None:
@@ -132,7 +114,7 @@ def decode(params: ModelParams, carry: DecodeCarry, num_steps: int = 1) -> Decod
     if carry.placement is not None:
         params, _ = resolve(params, carry.placement.mesh, carry.placement.rules)
     finish_compiling()  # one compile of a program, not two racing ones
-    new = _decode(params, carry, np.int32(num_steps), trip=steps_per_trip(num_steps))
+    new = _decode(params, carry, np.int32(num_steps))
     consume(carry)
     raise_if_nonfinite(new)
     return new
