@@ -39,7 +39,7 @@
 #                                     # (default: $CANDIDATE_XLA, none now: name SETS); greedy,
 #                                     # or drawn with SAMPLING ("temperature=0.8,top_p=0.9")
 #   bash benchmarks/h200.sh prefill-xla-variants [SETS]  # the same for prefill 1x2048 and 8x512 (NANO_NVFP4;
-#                                     # default: $CANDIDATE_PREFILL_XLA)
+#                                     # default: $CANDIDATE_PREFILL_XLA, none now: name SETS)
 #   bash benchmarks/h200.sh sampler   # the sampler alone at vocab 131,072, batches 1, 8, 32: its cut checked against
 #                                     # the float64 rule's, then sample() per setting and the cut against a sort (sampler.py)
 #   bash benchmarks/h200.sh lever [TILING]  # a candidate in one call: the decode blocks' kernel tests (mma
@@ -98,13 +98,11 @@ CANDIDATE_PREFILL_TILINGS="weight_tiles=2"  # two tiles a CTA: x0.977 and x0.968
                       # Adopted: the experts' relu^2 in the up projection's kernel (x0.971, run 25)
 # XLA options not the engine's, timed against its own by `xla-variants` (';' between sets). None is pending:
 # XLA's Triton GEMMs off became the engine's in both programs (run 14); earlier candidates measured and not
-# adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph with XLA's sort: run 10)
+# adopted are in docs/BENCHMARKS.md (the cond in the CUDA graph: runs 10 and 26)
 CANDIDATE_XLA=""
-# XLA's dot merger off (its size bound 0 MB): in a prefill Mamba layer it merges the SSD's two dots that
-# share C (C.B and C.states) into one over a concatenated operand, a float32 [16, 8, 640, 128] copy (56 us
-# a layer on the H100, run 25's trace) and two transposes of the merged product (~25 us each); in an
-# attention layer it concatenates the q, k and v weights every call (bf16 [4608, 2688], 20 us); untimed
-CANDIDATE_PREFILL_XLA="xla_gpu_dot_merger_threshold_mb=0"
+# none pending: name SETS. Measured and not adopted: XLA's dot merger off (xla_gpu_dot_merger_threshold_mb=0,
+# x0.987 at 1x2048 and x0.995 at 8x512 with rounds on both sides of 1, run 26)
+CANDIDATE_PREFILL_XLA=""
 
 case "${1:-}" in
   nvfp4) leg 560 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches 1,32 \
