@@ -109,13 +109,31 @@ def run_layers(params: ModelParams, tokens: jax.Array, ctx: TokenContext, states
     for i, layer in enumerate(params.layers):
         check_layer(i, layer)
         state = None if states is None else states[i]
-        out, new = apply_mixer(layer, rms_norm(h, layer.norm, cfg.layer_norm_epsilon), cfg, state, ctx)
+        h, new = _block(layer, h, cfg, state, ctx)
         if states is not None:
             check_state(i, layer, state, new)
-        h = h + out.astype(h.dtype)
         new_states.append(new)
     h = rms_norm(h, params.norm_f, cfg.layer_norm_epsilon)
     return h, (None if states is None else tuple(new_states))
+
+
+def _apply_block(layer, h: jax.Array, cfg: NemotronHConfig, state, ctx: TokenContext):
+    """h + layer.mix(rms_norm(h)) -> (h [b, T, H], new state): one block."""
+    out, new = apply_mixer(layer, rms_norm(h, layer.norm, cfg.layer_norm_epsilon), cfg, state, ctx)
+    return h + out.astype(h.dtype), new
+
+
+_apply_block_jit = jax.jit(_apply_block, static_argnames=("cfg",))
+
+
+def _block(layer, h, cfg, state, ctx):
+    """One block, as a nested jit where the layer is a pytree of arrays: layers of one type and shapes
+    (Nano's 23 Mamba and 23 MoE layers) are then traced and lowered once, and called from the program
+    (XLA inlines the calls: the compiled program is the same). A layer holding anything else is traced
+    in place."""
+    if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves((layer, state))):
+        return _apply_block_jit(layer, h, cfg, state, ctx)
+    return _apply_block(layer, h, cfg, state, ctx)
 
 
 def layer_scope(layer) -> str:

@@ -3,6 +3,7 @@ red-before proof, prefill+decode logits vs forward, the carry, capacity, bad req
 
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,24 @@ def test_decode_program_compiles_beside_prefill(params):
     assert len(out[0]) == 5
     decode_threads = [t for n, t in zip(lowered, lowered.threads) if n == "jit(_decode)"]
     assert len(decode_threads) == 1 and decode_threads[0].startswith("nemoh-decode-compile"), decode_threads
+
+
+def test_layers_of_one_type_traced_once(params, monkeypatch):
+    """Each layer block is a nested jit, so the forward traces a layer type's mixer once per shape, not
+    once per layer (the Python part of compiling Nano's 52 layers); the logits are the same."""
+    tokens = np.array([[3, 1, 4, 1, 5]], np.int32)
+    want = np.asarray(nemoh.forward(params, tokens))
+    traced = collections.Counter()
+    for kind in {type(layer) for layer in params.layers}:
+        def counted(self, *args, real=kind.mix):
+            traced[type(self).__name__] += 1
+            return real(self, *args)
+        monkeypatch.setattr(kind, "mix", counted)
+    jax.clear_caches()
+    got = np.asarray(nemoh.forward(params, tokens))
+    kinds = collections.Counter(type(layer).__name__ for layer in params.layers)
+    assert max(kinds.values()) > 1 and traced == {kind: 1 for kind in kinds}, (kinds, traced)
+    assert np.array_equal(got, want)
 
 
 def test_prefill_inputs_are_sent_by_the_call(params):
