@@ -23,7 +23,7 @@ from nemoh.layers.norms import rms_norm
 from nemoh.layers.protocol import check_layer, check_state
 from nemoh.sharding.params import resolve
 from nemoh.sharding.placement import Placement, tracing
-from pallas_kernels import Weight, linear
+from pallas_kernels import Weight, linear, trace_settings
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +117,14 @@ def run_layers(params: ModelParams, tokens: jax.Array, ctx: TokenContext, states
     return h, (None if states is None else tuple(new_states))
 
 
-def _apply_block(layer, h: jax.Array, cfg: NemotronHConfig, state, ctx: TokenContext):
-    """h + layer.mix(rms_norm(h)) -> (h [b, T, H], new state): one block."""
+def _apply_block(layer, h: jax.Array, cfg: NemotronHConfig, state, ctx: TokenContext, kernels: tuple = ()):
+    """h + layer.mix(rms_norm(h)) -> (h [b, T, H], new state): one block. kernels: the kernel package's
+    trace settings, only a key of _apply_block_jit's cache."""
     out, new = apply_mixer(layer, rms_norm(h, layer.norm, cfg.layer_norm_epsilon), cfg, state, ctx)
     return h + out.astype(h.dtype), new
 
 
-_apply_block_jit = jax.jit(_apply_block, static_argnames=("cfg",))
+_apply_block_jit = jax.jit(_apply_block, static_argnames=("cfg", "kernels"))
 
 
 def _block(layer, h, cfg, state, ctx):
@@ -132,7 +133,7 @@ def _block(layer, h, cfg, state, ctx):
     (XLA inlines the calls: the compiled program is the same). A layer holding anything else is traced
     in place."""
     if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves((layer, state))):
-        return _apply_block_jit(layer, h, cfg, state, ctx)
+        return _apply_block_jit(layer, h, cfg, state, ctx, kernels=trace_settings())
     return _apply_block(layer, h, cfg, state, ctx)
 
 

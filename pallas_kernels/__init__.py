@@ -11,8 +11,9 @@ All ops run one Mosaic GPU kernel (plgpu.kernel, _wgemm.py); no Triton lowering 
 """
 
 from pallas_kernels._backend import default_impl
+from pallas_kernels._blocked import trace_settings
 from pallas_kernels.formats import FP8Weight, NVFP4Weight, Weight, dequantize, is_quantized
 from pallas_kernels.linear import linear
 from pallas_kernels.moe import moe_experts
 
-__all__ = ["default_impl", "FP8Weight", "NVFP4Weight", "Weight", "dequantize", "is_quantized", "linear", "moe_experts"]
+__all__ = ["default_impl", "trace_settings", "FP8Weight", "NVFP4Weight", "Weight", "dequantize", "is_quantized", "linear", "moe_experts"]

@@ -34,6 +34,11 @@ def default_impl(impl: str):
         _default_override.pop()
 
 
+def default_override() -> str | None:
+    """The innermost default_impl's impl, None outside any."""
+    return _default_override[-1] if _default_override else None
+
+
 def compiler_partitioned() -> bool:
     """Whether ops are being traced into a program that XLA splits over several devices itself (an
     abstract mesh with non-manual axes of size > 1, as nemoh's sharded programs trace under). A Mosaic
@@ -47,8 +52,8 @@ def resolve_impl(impl: str | None) -> str:
     """Validate `impl`; None means the innermost `default_impl`, else "pallas" on GPU (outside programs
     XLA partitions, see compiler_partitioned) and "xla" otherwise."""
     if impl is None:
-        if _default_override:
-            return _default_override[-1]
+        if default_override() is not None:
+            return default_override()
         return "pallas" if jax.default_backend() == "gpu" and not compiler_partitioned() else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

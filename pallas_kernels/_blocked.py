@@ -25,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _backend
 from pallas_kernels._backend import interpret_params, num_sms
 from pallas_kernels._wgemm import SMEM_TILE_ROWS, TN, X_TILE, mma_fits, weight_gemm
 from pallas_kernels.formats import Weight, is_quantized, pow2, row_exponent
@@ -135,6 +136,12 @@ class Tiling:
 
 
 DEFAULT_TILING = Tiling()  # what ops called without a tiling use (benchmarks may rebind it to compare)
+
+
+def trace_settings() -> tuple:
+    """What ops read from this package's globals when traced: the innermost default_impl and the default
+    tiling. A jit cache holding traced ops keys on it, so no trace made under other settings is reused."""
+    return _backend.default_override(), DEFAULT_TILING
 
 
 DECODE_BLOCK_ROWS = 8  # the smallest activation block (wgmma N): a decode batch of up to 8 tokens

@@ -15,6 +15,7 @@ import pytest
 
 import nemoh
 import nemoh.engine.decode as decode_mod
+import pallas_kernels
 from compile_events import LOWER_EVENT, compiles
 from nemoh import oracle
 from nemoh.engine.decode import decode
@@ -22,7 +23,9 @@ from nemoh.engine.kv_pages import CacheSpec
 from nemoh.engine.prefill import prefill, prefill_program
 from nemoh.engine.sampling import Sampling, SamplingState, sample
 from nemoh.gate import compare, default_prompts
+from nemoh.layers.context import TokenContext
 from nemoh.layers.mamba2 import MambaState
+from nemoh.model import run_layers
 
 NEW = 24
 
@@ -145,6 +148,10 @@ def test_layers_of_one_type_traced_once(params, monkeypatch):
     kinds = collections.Counter(type(layer).__name__ for layer in params.layers)
     assert max(kinds.values()) > 1 and traced == {kind: 1 for kind in kinds}, (kinds, traced)
     assert np.array_equal(got, want)
+    # a new program traced under other kernel settings traces the blocks again, not reusing those above
+    with pallas_kernels.default_impl("xla"):
+        jax.jit(lambda p, t: run_layers(p, t, TokenContext.full(*t.shape), None)[0])(params, tokens)
+    assert traced == {kind: 2 for kind in kinds}, traced
 
 
 def test_prefill_inputs_are_sent_by_the_call(params):
