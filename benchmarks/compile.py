@@ -18,9 +18,9 @@ gated legs of benchmarks/decode.py measure whatever becomes the default).
 Results: compile.jsonl in --out, one line per variant.
 
 --lower-only BATCHES runs on any machine, a CPU one included: for each batch size, the seconds to trace
-and to lower the prefill program (prompts of --prompt tokens) and the decode program for the GPU ("cuda", with the Pallas kernels; abstract params, so no
-weights are built), which is the Python part of its compile (Mosaic GPU lowers each distinct kernel in
-Python), and the Mosaic kernels in the lowered module.
+and to lower the prefill program (prompts of --prompt tokens) and the decode program for the GPU ("cuda",
+with the Pallas kernels; abstract params, so no weights are built), which is the Python part of their
+compiles (Mosaic GPU lowers each distinct kernel in Python), and the Mosaic kernels in the decode module.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ def prefill_inputs(params, prompts, max_new_tokens: int):
 
 
 def lowering(layout: str, batches: list[int], prompt: int, pattern: str, dims: str) -> list[dict]:
-    """Per batch size: seconds to trace and to lower the prefill and decode programs for the GPU, in this process,
-    whatever its backend; params are abstract (jax.eval_shape) but for the embedding, whose device the
-    request planning reads."""
+    """Per batch size: seconds to trace and to lower the prefill and decode programs for the GPU, in this
+    process, whatever its backend; params are abstract (jax.eval_shape) but for the embedding, whose
+    device the request planning reads."""
     import dataclasses
 
     import jax

@@ -16,4 +16,5 @@ from pallas_kernels.formats import FP8Weight, NVFP4Weight, Weight, dequantize, i
 from pallas_kernels.linear import linear
 from pallas_kernels.moe import moe_experts
 
-__all__ = ["default_impl", "trace_settings", "FP8Weight", "NVFP4Weight", "Weight", "dequantize", "is_quantized", "linear", "moe_experts"]
+__all__ = ["default_impl", "trace_settings", "FP8Weight", "NVFP4Weight", "Weight", "dequantize", "is_quantized",
+           "linear", "moe_experts"]

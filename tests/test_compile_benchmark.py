@@ -68,4 +68,5 @@ def test_tiling_option_applies_to_every_kernel(tmp_path, monkeypatch, capsys):
                                       "--pattern", "ME*M", "--dims", str(dims), "--prompt", "5"])
     assert main() == 0
     assert _blocked.DEFAULT_TILING == _blocked.Tiling(lane_lowering=False)
-    assert "NANO_NVFP4 batch 1, tiling lane_lowering=false: prefill of 5 tokens a prompt trace" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NANO_NVFP4 batch 1, tiling lane_lowering=false: prefill of 5 tokens a prompt trace" in out
