@@ -22,6 +22,8 @@
 #                                     # XLA flags (default: PDL, more fusion, the loop in the CUDA graph)
 #   bash benchmarks/h200.sh compile [TILING]  # NANO_NVFP4: compile time of prefill and decode, batches 1 and 32, as
 #                                     # it is and with XLA's autotuning off (every kernel under TILING if given)
+#   bash benchmarks/h200.sh compile-compare  # compile times of an older tree extracted to _old (as for `compare`)
+#                                     # and of this one, alternating: batch 1 twice, then batch 32
 #   bash benchmarks/h200.sh load      # cold start of a Nano-size NVFP4 checkpoint (writes ~19 GB under /tmp)
 #   bash benchmarks/h200.sh compare   # NANO_NVFP4 decode batches 1,32, ungated: an older tree extracted to _old
 #                                     # (`git archive REV nemoh pallas_kernels benchmarks | tar -x -C _old`), then
@@ -192,6 +194,13 @@ case "${1:-}" in
   compile) # batch 1 (no XLA GEMMs in the step), then batch 32 (XLA's GEMMs: the router), each as it is and with
            # XLA's autotuning off
     for batch in 1 32; do leg 280 benchmarks/compile.py --variants default,autotune0 --batch $batch ${2:+--tiling "$2"}; done ;;
+  compile-compare) # compile times of the baseline tree (_old) and this one, alternating, twice at batch 1, then at 32
+    [ -d _old/nemoh ] || { echo "== no baseline: _old/nemoh is missing (see the top of this file)"; exit 1; }
+    for batch in 1 1 32; do for tree in _old .; do
+      name=$([ $tree = . ] && echo new || echo old)-b$batch-$(date +%s)
+      (cd $tree && echo "== $tree tree $(tree_id), batch $batch" && \
+        NEMOH_COMPILATION_CACHE=0 OUT="$OUT/$name" leg 180 benchmarks/compile.py --variants default --batch $batch)
+    done; done ;;
   load) leg 560 benchmarks/load.py --dir /tmp/nano-nvfp4 ;;
   counters) # ncu replays each profiled launch once a metric pass, two warm launches a case (the moe cases: up, down);
             # clocks left alone (--clock-control none), as the timed legs run them
