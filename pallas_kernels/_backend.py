@@ -52,8 +52,9 @@ def resolve_impl(impl: str | None) -> str:
     """Validate `impl`; None means the innermost `default_impl`, else "pallas" on GPU (outside programs
     XLA partitions, see compiler_partitioned) and "xla" otherwise."""
     if impl is None:
-        if default_override() is not None:
-            return default_override()
+        override = default_override()
+        if override is not None:
+            return override
         return "pallas" if jax.default_backend() == "gpu" and not compiler_partitioned() else "xla"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
