@@ -83,6 +83,8 @@ quiet() { grep -v -i "warning\|bfc_allocator\|fragmentation\|allocation summary\
 # a leg's whole output goes to $OUT/legs.log as well (the tail printed here may cut a long table)
 leg() { local limit=$1; shift; mkdir -p "$OUT"
         timeout "$limit" python3 "$@" --out "$OUT" 2>&1 | quiet | tee -a "$OUT/legs.log" | tail -60; }
+# whether an older tree to compare against is extracted to _old (see the top of this file); says so if not
+have_old() { [ -d _old/nemoh ] || { echo "== no baseline: _old/nemoh is missing (see the top of this file)"; return 1; }; }
 # the kernel tests that a GPU runs differently from the interpreter (Mosaic, PTX, mma, TMA fills)
 # (a second argument: another -k selection)
 kernel_tests() { PALLAS_KERNELS_IMPL=pallas timeout "$1" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
@@ -146,19 +148,17 @@ case "${1:-}" in
          --layouts NANO_NVFP4 --batches 1 --profile-batches "" --steps 32 --repeats 4 --no-gate 2>&1 | grep "^\[\|rror")
     done ;;
   compare) # same card, same protocol: the baseline tree, then this one
-    if [ -d _old/nemoh ]; then
+    if have_old; then
       (cd _old && echo "== _old tree $(tree_id)" && \
         OUT="$OUT/old" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" \
           --steps 32 --repeats 2 --no-gate --call-overhead)
-    else
-      echo "== no baseline: _old/nemoh is missing (see the top of this file)"
     fi
     echo "== this tree"
     (OUT="$OUT/new" leg 280 benchmarks/decode.py --layouts NANO_NVFP4 --batches 1,32 --profile-batches "" --steps 32 \
        --repeats 2 --no-gate --call-overhead) ;;
   compare-prefill) # the same for prefill of one 2,048-token prompt and 8 of 512 (benchmarks/prefill.py), profiled
     for tree in _old .; do
-      [ -d "$tree/nemoh" ] || { echo "== no baseline: _old/nemoh is missing (see the top of this file)"; continue; }
+      [ "$tree" = . ] || have_old || continue
       (cd "$tree" && echo "== $tree tree $(tree_id)" && OUT="$OUT/prefill-$(basename "$(pwd)")" leg 280 \
          benchmarks/prefill.py --layouts NANO_NVFP4 --shapes 1x2048,8x512 --profile --no-gate)
     done ;;
@@ -195,7 +195,7 @@ case "${1:-}" in
            # XLA's autotuning off
     for batch in 1 32; do leg 280 benchmarks/compile.py --variants default,autotune0 --batch $batch ${2:+--tiling "$2"}; done ;;
   compile-compare) # compile times of the baseline tree (_old) and this one, alternating, twice at batch 1, then at 32
-    [ -d _old/nemoh ] || { echo "== no baseline: _old/nemoh is missing (see the top of this file)"; exit 1; }
+    have_old || exit 1
     for batch in 1 1 32; do for tree in _old .; do
       name=$([ $tree = . ] && echo new || echo old)-b$batch-$(date +%s)
       (cd $tree && echo "== $tree tree $(tree_id), batch $batch" && \
