@@ -84,7 +84,7 @@ def plan(cfg: NemotronHConfig, costs: StateCosts, lengths: list[int], max_new_to
             return lay
     parts = ", ".join(f"{k} {v:.3g}" for k, v in need.items())
     raise CacheCapacityError(
-        f"the request ({len(lengths)} prompts, longest {max(lengths)} tokens, max_new_tokens={max_new_tokens}) "
+        f"the request ({len(lengths)} prompt(s), longest {max(lengths)} token(s), max_new_tokens={max_new_tokens}) "
         f"needs about {sum(need.values()):.3g} bytes of device memory ({parts}), but only {free:.3g} bytes are "
         f"free ({source})"
     )
