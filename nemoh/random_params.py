@@ -37,7 +37,7 @@ from nemoh.sharding.params import check_params
 from nemoh.sharding.placement import make_placement
 from pallas_kernels.formats import E2M1_VALUES, NVFP4_BLOCK, FP8Weight, NVFP4Weight
 
-LAYOUTS = ("dense",) + ALGOS  # dense, or a quantiser recipe (NVFP4, FP8, MIXED, NANO_NVFP4, NANO_FP8)
+LAYOUTS = ("dense",) + ALGOS  # dense, or a recipe of nemoh.io.quantize
 _E2M1_STD = float(np.sqrt(np.mean(E2M1_VALUES**2)))  # std of a uniformly random e2m1 code
 _BLOCK_SCALE_RANGE = (64.0, 448.0)  # random NVFP4 block scales, in fp8 e4m3 units
 _FP8_SPREAD = 64.0  # FP8 codes have std _FP8_SPREAD: the largest value, 3.3 std, is a code of ~210 (< 448)
@@ -146,7 +146,8 @@ def random_params(config: NemotronHConfig, layout: str = "dense", *, dtype=jnp.b
 
     layout: "dense" (every projection in `dtype`) or a quantiser recipe: "NANO_NVFP4" / "NANO_FP8" (the
     official Nano selective layouts), "NVFP4" / "FP8" (every linear but lm_head), "MIXED" (routed experts
-    NVFP4, other projections FP8, attention and lm_head dense).
+    NVFP4, other projections FP8, attention and lm_head dense), or ModelOpt's MAMBA_MOE_* recipes (any of
+    nemoh.io.quantize.ALGOS).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {list(LAYOUTS)}")

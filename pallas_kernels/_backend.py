@@ -15,7 +15,7 @@ from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 from jax.sharding import AxisType
 
 IMPLS = ("pallas", "interpret", "xla")
-DEFAULT_NUM_SMS = 132  # H100 / H200 SXM: used where the device does not report its core count
+DEFAULT_NUM_SMS = 132  # H100 / H200 SXM: used off the GPU (interpret mode) or where a GPU reports no core count
 
 
 _default_override: list[str] = []
@@ -70,4 +70,5 @@ def interpret_params(impl: str):
 def num_sms() -> int:
     """Streaming multiprocessors of the default device (split-K targets a few CTAs per SM)."""
     device = jax.devices()[0]
-    return getattr(device, "core_count", None) if device.platform == "gpu" else DEFAULT_NUM_SMS
+    cores = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return cores or DEFAULT_NUM_SMS

@@ -1,7 +1,8 @@
 """Blocked projection y[b] = x[b] @ W[eid[b]]^T through the Mosaic GPU kernel: operand prep and tiling.
 
 x blocks [B, tm, K] (float), eid [B] int32 (negative: skip the block), W a stacked weight (dense
-[E, N, K] or a format of pallas_kernels.formats) -> y float32 [B, tm, N].
+[E, N, K] or a format of pallas_kernels.formats) -> y float32 [B, R, N] (R = tm, or x's rows under
+Tiling.store_real_rows; relu^2 products in their own dtype: blocked_linear).
 
 bf16 activations (the model's) go to the kernel as they are and quantised weights decode to exact
 bfloat16 values (Tiling.bf16_operands, on by default). Float32 activations, and bf16 ones with

@@ -16,9 +16,10 @@ class with its interface):
          dtype; quantised: float16 or bfloat16, which the weight decodes to)
   w      [E, N, Kw] streamed weight elements (Kw = K / fmt.K_PER_ELEMENT)
   scale  [E, K/16, N] block scales streamed with the codes (formats with ELEMENTS_PER_SCALE_ROW), or None
-Each K step streams a (64, tk) weight tile, its (tk / ELEMENTS_PER_SCALE_ROW, 64) scale tile and a
-(tm, tk * K_PER_ELEMENT) activation tile through one TMA pipeline. Per-tensor scales are applied by the
-caller on the f32 output, or by the kernel where it stores an MoE's hidden activations (relu2).
+Each K step streams a (64 * tiles, tk) weight tile, its (tk / ELEMENTS_PER_SCALE_ROW, 64 * tiles) scale
+tile and a (tm, tk * K_PER_ELEMENT) activation tile through one TMA pipeline. Per-tensor scales are
+applied by the caller on the f32 output, or by the kernel where it stores an MoE's hidden activations
+(relu2).
 
 Shape contract (the callers pad): N % 64 == 0; x's K extent is at most splits * steps * tk *
 K_PER_ELEMENT and a multiple of X_TILE elements, or exactly that; w's K extent may be shorter too but

@@ -121,8 +121,9 @@ def moe_experts(x, expert_idx, expert_weight, up: Weight, down: Weight, *, valid
     x [T, H] bf16/f32; expert_idx int32 [T, k]; expert_weight f32 [T, k]; up [E, F, H] and
     down [E, H, F] as dense arrays, FP8Weight or NVFP4Weight (stacked along E); valid [T] (per token) or
     [T, k] (per pair) bool, or None: pairs left out add nothing to y and read no expert weights (a
-    sharded MoE leaves out the pairs of other devices' experts). fp32 accumulation, the hidden activation
-    rounded to x.dtype between the projections; y [T, H] in x.dtype.
+    sharded MoE leaves out the pairs of other devices' experts). fp32 accumulation; the kernel paths
+    ("pallas", "interpret") round the hidden activation to x.dtype between the projections, the "xla"
+    reference keeps it fp32; y [T, H] in x.dtype.
     """
     impl = resolve_impl(impl)
     tiling = tiling or _blocked.DEFAULT_TILING  # read when traced: benchmarks may rebind the default

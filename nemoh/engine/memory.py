@@ -38,7 +38,7 @@ def request_bytes(cfg: NemotronHConfig, costs: StateCosts, lay: Layout) -> dict[
     the activations of the largest program, a prefill chunk of rows x chunk tokens: one layer's widest
     intermediates (4 live fp32 buffers), the SSD's chunked terms (when a layer carries a per-row state),
     attention scores over the row capacity (when layers hold KV pages), and the logits with the
-    sampler's sorted copies."""
+    sampler's fp32 working copies."""
     rows, chunk, row_tokens = lay.rows, lay.chunk, lay.row_tokens
     carry = rows * (costs.per_row + (row_tokens + lay.pages_per_row) * 4 + cfg.vocab_size * F32)
     tokens = rows * chunk

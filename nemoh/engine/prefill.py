@@ -35,7 +35,8 @@ from nemoh.sharding.placement import Placement, batch_shards, constrain, tracing
 class PrefillInputs:
     """Host-built inputs for `rows` slots: sequences [rows, T] int32 (prompts, right-padded);
     lengths, max_new [rows] int32 (0 for dummy rows); block_tables [rows, P] int32; stop_ids [S] int32;
-    placement (static): the mesh and rules of a sharded prefill, None on one device."""
+    sampling: each row's settings and random stream (SamplingState); placement (static): the mesh and
+    rules of a sharded prefill, None on one device."""
 
     sequences: jax.Array
     lengths: jax.Array

@@ -91,7 +91,7 @@ def _segsum(a: jax.Array) -> jax.Array:
 
 def ssd_chunked(x, dt, A, B, C, D, chunk_size: int, initial_state=None):
     """Chunked SSD (matmul-shaped within chunks, sequential across chunks). Same contract as
-    `ssd_reference`; T need not divide chunk_size (the tail is padded with dt = 0)."""
+    `ssd_reference`; chunk_size need not divide T (the tail is padded with dt = 0)."""
     b, T, nh, hd = x.shape
     G, N = B.shape[2], B.shape[3]
     hpg = nh // G
