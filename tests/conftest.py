@@ -41,6 +41,16 @@ def pytest_collection_modifyitems(config, items):
         config.stash[MESH_WORKER] = start_mesh_worker()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip counts as passing only for tests marked gpu_only (kernel paths the CPU interpreter cannot
+    run); any other skip is reported as a failure, so a missing environment cannot pass unnoticed."""
+    report = (yield).get_result()
+    if report.skipped and not item.get_closest_marker("gpu_only") and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped outside the GPU-only tests: {report.longrepr}"
+
+
 def pytest_unconfigure(config):
     started = config.stash.get(MESH_WORKER, None)
     if started is not None:

@@ -8,6 +8,7 @@ step reads (benchmarks/routing.py)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +91,16 @@ def test_margin_perturbation_scales_outputs_and_keeps_activation_quantisation(la
                                rtol=1e-5, atol=1e-6)
 
 
-def test_hbm_ceiling_measures_a_positive_bandwidth():
-    assert 0 < hbm_ceiling_gbs(1 << 16) < float("inf")
+def test_hbm_ceiling_is_the_faster_of_a_read_and_an_in_place_scale(monkeypatch):
+    """bytes moved over each pass's median time (a read moves the array once, an in-place scale twice),
+    with the passes' times given: 2 ms for the read, 3 ms for the scale."""
+    from benchmarks import common
+
+    elements = 1 << 16
+    assert 0 < hbm_ceiling_gbs(elements) < float("inf")  # measured on this machine
+    passes = iter([[2e-3] * 10, [3e-3] * 10])
+    monkeypatch.setattr(common, "wall_s", lambda fn, reps: (fn(), next(passes))[1])
+    assert common.hbm_ceiling_gbs(elements) == pytest.approx(2 * elements * 2 / 3e-3 / 1e9)
 
 
 def test_decode_leg_reports_its_figures_and_splits_call_time():
@@ -142,15 +151,18 @@ def test_prefill_leg_warms_up_then_times():
     assert "ms/call (host checks and inputs" in prefill_benchmark.prefill_line("L", r, "ungated", "check")
 
 
-def test_warm_up_runs_for_its_time_and_at_least_its_calls():
-    import time
+def test_warm_up_runs_for_its_time_and_at_least_its_calls(monkeypatch):
+    from benchmarks import common
 
-    from benchmarks.common import warm_up
+    clock = [0.0]  # a call takes 0.25 s of a fake clock: no dependence on this machine's load
 
-    assert warm_up(lambda: None, seconds=0.0, min_calls=3) == 3
-    t0 = time.perf_counter()
-    assert warm_up(lambda: time.sleep(0.01), seconds=0.05) >= 4
-    assert time.perf_counter() - t0 >= 0.05
+    def call():
+        clock[0] += 0.25
+
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert common.warm_up(call, seconds=1.0, min_calls=2) == 4 and clock[0] == 1.0  # its time
+    assert common.warm_up(call, seconds=0.5, min_calls=3) == 3  # at least its calls
+    assert common.warm_up(call, seconds=0.0, min_calls=1) == 1
 
 
 def test_tiling_specs_parse_to_tilings_and_bad_names_are_refused():
@@ -186,18 +198,42 @@ def test_ab_traces_each_variant_under_its_own_tiling():
     assert _blocked.DEFAULT_TILING is default
 
 
+@dataclasses.dataclass(frozen=True)
+class OtherTokens:
+    """A compared program whose tokens differ from the default's: the default program, then every
+    sampled token id plus one (what a variant that changed values would give)."""
+
+    def compile(self, lower):
+        from benchmarks.ab import Variant
+
+        program = Variant().compile(lower)
+
+        def run(*args):
+            out = program(*args)
+            return dataclasses.replace(out, tokens=out.tokens + 1, sequences=out.sequences + 1)
+        return run
+
+
+def test_ab_ratios_are_per_round_against_the_first_variant():
+    from benchmarks.ab import ratios_to_first
+
+    r = ratios_to_first({"a": [1.0, 2.0, 4.0], "b": [2.0, 3.0, 4.0]})
+    assert r == {"a": [1.0, 1.0, 1.0], "b": [1.5, 1.0, 2.0]}
+
+
 def test_ab_compares_variants_call_by_call():
     """benchmarks/ab.py on a tiny model (CPU figures: only their shape is checked): one median and one
-    ratio to the default per variant, the default's own ratio 1, and the same greedy tokens where the
-    tiling changes no value."""
+    ratio to the default per variant, the same greedy tokens where the tiling changes no value, and
+    other tokens reported as such."""
     from benchmarks.ab import Variant, compare_batch
 
     variants = {"default": Variant(), "two stages": Variant(Tiling(stages=2)),
-                "no cub sort": Variant(xla=(("xla_gpu_enable_cub_radix_sort", False),))}
+                "no cub sort": Variant(xla=(("xla_gpu_enable_cub_radix_sort", False),)), "other": OtherTokens()}
     r = compare_batch(random_params(CONFIG, "NANO_NVFP4"), variants, batch=2, prompt=5, steps=2, rounds=2)
-    a, b = r["variants"]["default"], r["variants"]["two stages"]
-    assert a["ratio_to_a"] == [1.0, 1.0, 1.0] and len(b["ms_per_call_step"]) == 2 and b["ms_per_step"] > 0
-    assert all(v["tokens_equal_a"] for v in r["variants"].values())
+    b = r["variants"]["two stages"]
+    assert len(b["ms_per_call_step"]) == 2 and b["ms_per_step"] > 0 and len(b["ratio_to_a"]) == 3
+    assert {name: v["tokens_equal_a"] for name, v in r["variants"].items()} == {
+        "default": True, "two stages": True, "no cub sort": True, "other": False}
 
 
 def test_ab_compares_sampled_tokens():
@@ -230,10 +266,11 @@ def test_ab_compares_prefill_programs():
     (donated) inputs, and the same first tokens."""
     from benchmarks.ab import Variant, compare_prefill
 
-    variants = {"default": Variant(), "two stages": Variant(Tiling(stages=2))}
+    variants = {"default": Variant(), "two stages": Variant(Tiling(stages=2)), "other": OtherTokens()}
     r = compare_prefill(random_params(CONFIG, "NANO_NVFP4"), variants, rows=2, tokens=9, rounds=2)
-    assert set(r["variants"]) == {"default", "two stages"} and r["variants"]["default"]["ratio_to_a"] == [1.0, 1.0, 1.0]
-    assert all(v["tok_per_s"] > 0 and v["tokens_equal_a"] for v in r["variants"].values())
+    assert all(v["tok_per_s"] > 0 and len(v["ratio_to_a"]) == 3 for v in r["variants"].values())
+    assert {name: v["tokens_equal_a"] for name, v in r["variants"].items()} == {
+        "default": True, "two stages": True, "other": False}
 
 
 def test_gate_asks_the_oracle_once_per_checkpoint(monkeypatch):

@@ -63,18 +63,26 @@ def test_bf16_argmax_agrees_where_margin_exceeds_noise(tiny_checkpoints, referen
     params = nemoh.load(tiny_checkpoints[name], dtype=jnp.bfloat16)
     prompts, ref32, ref16 = references[name]
     checked = total = 0
+    ours_err, hf_err = [], []  # each position's largest logit deviation from the fp32 reference
     for prompt, r32, r16 in zip(prompts, ref32, ref16):
         ours = np.asarray(nemoh.forward(params, np.array(prompt))[0])
         top2 = np.sort(r32, axis=-1)[:, -2:]
         margin = top2[:, 1] - top2[:, 0]
+        ours_err.append(np.abs(ours - r32).max(-1))
+        hf_err.append(np.abs(r16 - r32).max(-1))
         # bf16 noise: both bf16 runs' deviation from the fp32 logits, at this position's scale
-        noise = 4 * np.maximum(np.abs(ours - r32).max(-1), np.abs(r16 - r32).max(-1))
+        noise = 4 * np.maximum(ours_err[-1], hf_err[-1])
         sure = margin > noise
         checked += int(sure.sum())
         total += len(prompt)
         np.testing.assert_array_equal(ours.argmax(-1)[sure], r32.argmax(-1)[sure])
-    print(f"{name}: checked {checked}/{total} positions")
+    typical = np.median(np.concatenate(ours_err)), np.median(np.concatenate(hf_err))
+    print(f"{name}: checked {checked}/{total} positions; median bf16 deviation ours {typical[0]:.3f}, "
+          f"transformers' {typical[1]:.3f}")
     assert checked > 0.5 * total
+    # our bf16 path rounds no worse than transformers' own (the median: a routing flip at a near-tie,
+    # which either bf16 run may take, moves single positions a lot)
+    assert typical[0] <= typical[1], typical
 
 
 def test_forward_rejects_out_of_range_ids(tiny_checkpoints):

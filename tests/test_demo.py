@@ -31,6 +31,7 @@ def test_demo_passes_the_gate(demo_checkpoint):
     result = run_gate(demo_checkpoint, default_prompts(cfg, [3, 40, 90]), max_new_tokens=24, dtype="float32")
     print(result.line())
     assert result.strict, result.line()
+    assert result.total >= 24 * 3 // 2, f"the oracle stopped early: {result.line()}"
 
 
 def test_demo_writes_readable_english(demo_checkpoint, make_demo):

@@ -35,6 +35,13 @@ from pallas_kernels import moe as moe_ops
 from pallas_kernels.moe import route_blocks
 
 IMPL = os.environ.get("PALLAS_KERNELS_IMPL", "interpret")
+
+
+def gpu_only(reason: str):
+    """A test of what only the GPU runs: skipped in interpret mode (the only skip tests/conftest.py allows)."""
+    return lambda test: pytest.mark.gpu_only(pytest.mark.skipif(IMPL != "pallas", reason=reason)(test))
+
+
 TOL_F64 = {jnp.float32: 1e-3, jnp.bfloat16: 5e-3}
 TOL_XLA = 1e-2
 
@@ -315,7 +322,7 @@ def test_mma_k_order_is_a_permutation_within_chunks():
         np.testing.assert_allclose(a[:, order] @ b[order], a @ b, rtol=1e-12)
 
 
-@pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma and its PTX decode run on the GPU only")
+@gpu_only("warp-level mma and its PTX decode run on the GPU only")
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_mma_sync_products(fmt):
     """Tiling.mma_sync (the default) on the GPU: products of 1, 5 and 8 rows (one 8-row block), a split-K
@@ -339,7 +346,7 @@ def test_mma_sync_products(fmt):
                    TOL_XLA, f"{tokens} tokens, mma_sync={mma}")
 
 
-@pytest.mark.skipif(IMPL != "pallas", reason="warp-level mma, its PTX decode and its loads run on the GPU only")
+@gpu_only("warp-level mma, its PTX decode and its loads run on the GPU only")
 @pytest.mark.parametrize("fmt, option, value", [("nvfp4", "mma_scale_pairs", True), ("nvfp4", "stagger_x_loads", False),
                                                  ("fp8", "stagger_x_loads", False)])
 def test_mma_load_options_same_products(fmt, option, value):
@@ -701,7 +708,7 @@ def test_unpadded_rows_drop_the_pad():
     assert pads(Tiling(unpadded_rows=False)) == 1 and pads(Tiling()) == 0
 
 
-@pytest.mark.skipif(IMPL != "pallas", reason="the interpreter takes no lowering: both sides would be one run")
+@gpu_only("the interpreter takes no lowering: both sides would be one run")
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "dense"])
 def test_lane_lowering_same_products(fmt, monkeypatch):
     """Tiling.lane_lowering (the default: Mosaic GPU's lane-level lowering) gives the warpgroup-level

@@ -50,4 +50,5 @@ def test_quantised_gate_strict(quantised, algo):
     result = compare(nemoh.generate(params, prompts, max_new_tokens=24), ref)
     print(f"[{algo}] {result.line()}")
     assert result.strict, result.line()
+    assert result.total >= 24 * len(prompts) // 2, f"the oracle stopped early: {result.line()}"
 

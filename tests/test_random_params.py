@@ -14,7 +14,7 @@ import pytest
 
 import nemoh
 from nemoh.config import NemotronHConfig
-from nemoh.io.quantize import plan_modules
+from nemoh.io.quantize import quantize_checkpoint
 from nemoh.random_params import LAYOUTS
 from pallas_kernels import FP8Weight, NVFP4Weight, is_quantized
 
@@ -25,32 +25,32 @@ CFG = NemotronHConfig.from_dict(dict(
     moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.0, eos_token_id=2))
 
 
-def _formats(params) -> dict[str, str]:
-    """module name -> storage format of each projection of the params (loader naming)."""
-    out = {"lm_head": type(params.lm_head).__name__}
-    for i, layer in enumerate(params.layers):
-        for field in ("in_proj", "out_proj", "q_proj", "o_proj", "up_proj", "experts_up", "shared_up"):
-            if hasattr(layer, field):
-                out[f"backbone.layers.{i}.mixer.{field}"] = type(getattr(layer, field)).__name__
-    return out
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory):
+    """A dense fp32 checkpoint of CFG in the HF layout, the source every quantiser recipe reads."""
+    return nemoh.save_hf(nemoh.random_params(CFG, dtype=jnp.float32, seed=5), tmp_path_factory.mktemp("dense"))
+
+
+def _leaves(params) -> list[tuple[str, str, tuple, str]]:
+    """(path, leaf type, shape, dtype) of every leaf: the structure and storage a layout gives."""
+    return [(jax.tree_util.keystr(path), type(leaf).__name__, tuple(leaf.shape), str(leaf.dtype))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layouts_match_the_quantiser_plan(layout):
-    params = nemoh.random_params(CFG, layout, dtype=jnp.float32, seed=3)
-    loaded_like = jax.tree.structure(nemoh.random_params(CFG, "dense", dtype=jnp.float32))
-    if layout == "dense":
-        assert jax.tree.structure(params) == loaded_like
-    names = {"backbone.layers.1.mixer.experts.0.up_proj": "backbone.layers.1.mixer.experts_up",
-             "backbone.layers.1.mixer.shared_experts.up_proj": "backbone.layers.1.mixer.shared_up",
-             "backbone.layers.0.mixer.in_proj": "backbone.layers.0.mixer.in_proj",
-             "backbone.layers.2.mixer.in_proj": "backbone.layers.2.mixer.in_proj",
-             "backbone.layers.3.mixer.q_proj": "backbone.layers.3.mixer.q_proj", "lm_head": "lm_head"}
-    want = {} if layout == "dense" else plan_modules(layout, list(names), CFG.layer_kinds)
-    got = _formats(params)
-    kind = {None: "ArrayImpl", "FP8": "FP8Weight", "NVFP4": "NVFP4Weight"}
-    for module, field in names.items():
-        assert got[field] == kind[want.get(module)], (module, got[field], want.get(module))
+def test_layouts_match_the_loaded_quantiser_output(layout, dense_checkpoint, tmp_path):
+    """random_params(layout) has the tree, leaf types, shapes and dtypes of nemoh.load on the checkpoint
+    nemoh.io.quantize writes for that recipe (the dense layout: of the dense checkpoint itself)."""
+    directory = dense_checkpoint
+    if layout != "dense":
+        directory = tmp_path / layout
+        quantize_checkpoint(dense_checkpoint, directory, layout)
+    loaded = nemoh.load(directory, dtype=jnp.float32)
+    made = nemoh.random_params(CFG, layout, dtype=jnp.float32, seed=3)
+    assert jax.tree.structure(made) == jax.tree.structure(loaded)
+    assert _leaves(made) == _leaves(loaded)
+    if layout != "dense":  # the recipe quantised something, in the formats its plan names
+        assert any(is_quantized(w) for w in jax.tree.leaves(made, is_leaf=is_quantized))
 
 
 @pytest.mark.parametrize("layout", ["dense", "MIXED"])  # MIXED holds dense, FP8 and NVFP4 projections
