@@ -31,16 +31,16 @@ def dense_checkpoint(tmp_path_factory):
     return nemoh.save_hf(nemoh.random_params(CFG, dtype=jnp.float32, seed=5), tmp_path_factory.mktemp("dense"))
 
 
-def _leaves(params) -> list[tuple[str, str, tuple, str]]:
-    """(path, leaf type, shape, dtype) of every leaf: the structure and storage a layout gives."""
-    return [(jax.tree_util.keystr(path), type(leaf).__name__, tuple(leaf.shape), str(leaf.dtype))
+def _leaves(params) -> list[tuple[str, tuple, str]]:
+    """(path, shape, dtype) of every array: the storage a layout gives each field."""
+    return [(jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype))
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_match_the_loaded_quantiser_output(layout, dense_checkpoint, tmp_path):
-    """random_params(layout) has the tree, leaf types, shapes and dtypes of nemoh.load on the checkpoint
-    nemoh.io.quantize writes for that recipe (the dense layout: of the dense checkpoint itself)."""
+    """random_params(layout) has the tree (weight types included), shapes and dtypes of nemoh.load on the
+    checkpoint nemoh.io.quantize writes for that recipe (the dense layout: of the dense checkpoint itself)."""
     directory = dense_checkpoint
     if layout != "dense":
         directory = tmp_path / layout
@@ -49,7 +49,7 @@ def test_layouts_match_the_loaded_quantiser_output(layout, dense_checkpoint, tmp
     made = nemoh.random_params(CFG, layout, dtype=jnp.float32, seed=3)
     assert jax.tree.structure(made) == jax.tree.structure(loaded)
     assert _leaves(made) == _leaves(loaded)
-    if layout != "dense":  # the recipe quantised something, in the formats its plan names
+    if layout != "dense":  # the recipe quantised something
         assert any(is_quantized(w) for w in jax.tree.leaves(made, is_leaf=is_quantized))
 
 
